@@ -1,0 +1,26 @@
+"""vllm-ddtree: DDTree speculative decoding as a vLLM plugin.
+
+vLLM calls `register()` in every process through the `vllm.general_plugins` entry point. It installs two small
+hooks: one turns `{"method": "ddtree", ...}` into vLLM's DFlash config plus DDTree settings before vLLM validates
+it, the other gives vLLM's model runner the tree proposer, tree verification and KV compaction. Both do nothing
+unless a speculative config says "ddtree". Importing this package loads no kernels and no model code.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_registered = False
+
+
+def register() -> None:
+    """Entry point of `vllm.general_plugins`; safe to call more than once."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from vllm_ddtree.engine_hooks import install_config_hook
+    from vllm_ddtree.runner import install_runner_hooks
+
+    install_config_hook()
+    install_runner_hooks()

@@ -1,0 +1,1 @@
+"""Tree verification attention: per-request ancestor masks over vLLM's paged KV cache."""

@@ -1,0 +1,146 @@
+"""DDTree's speculative-config keys: parsing, defaults and validation.
+
+A user writes `{"method": "ddtree", "model": DRAFTER, "num_speculative_tokens": B, ...}`. vLLM knows no method
+"ddtree" and rejects unknown keys, so `split_ddtree_config` turns that dict into the in-tree DFlash config vLLM
+validates (method "dflash", the same drafter, B draft tokens per step) plus a `DDTreeConfig` holding the tree
+knobs. `validate_models` then checks the drafter against the target once vLLM has loaded both configs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+METHOD = "ddtree"
+MAX_BUDGET = 256
+# Where the DDTree settings travel with vLLM's config (pickled to the engine core and the workers).
+ATTRIBUTE = "ddtree_config"
+
+# Keys of vLLM's SpeculativeConfig that DDTree passes through unchanged.
+_PASSTHROUGH_KEYS = frozenset(
+    {
+        "model",
+        "num_speculative_tokens",
+        "draft_tensor_parallel_size",
+        "tensor_parallel_size",
+        "max_model_len",
+        "revision",
+        "code_revision",
+        "quantization",
+        "enforce_eager",
+        "attention_backend",
+        "kv_cache_dtype",
+    }
+)
+# Keys of vLLM's SpeculativeConfig that select behaviour DDTree replaces or does not support (yet).
+_UNSUPPORTED_KEYS = {
+    "disable_padded_drafter_batch": "DDTree needs vLLM's padded drafter batch; remove the key",
+    "parallel_drafting": "DDTree always drafts a whole block in parallel; remove the key",
+    "num_speculative_tokens_per_batch_size": "a per-batch-size budget is not supported yet; use one "
+    "num_speculative_tokens",
+    "rejection_sample_method": "DDTree verifies the tree with its own sampler; remove the key",
+    "draft_sample_method": "DDTree builds the tree from the drafter's distributions; remove the key",
+    "use_local_argmax_reduction": "DDTree needs the drafter's full logits; remove the key",
+    "use_heterogeneous_vocab": "the drafter must share the target's vocabulary",
+    "enable_adaptive_verification": "not supported with DDTree; remove the key",
+    "synthetic_acceptance_rates": "not supported with DDTree; remove the key",
+    "synthetic_acceptance_length": "not supported with DDTree; remove the key",
+}
+
+
+@dataclass(frozen=True)
+class DDTreeConfig:
+    """The tree's knobs. `budget` is B: draft nodes verified per step besides the root."""
+
+    budget: int
+    # Cap on the tokens kept per depth before the best-first selection (None: up to B).
+    max_topk: int | None = None
+    # Cap on the tree depth (None: the drafter's block size - 1).
+    max_depth: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def depth_for(self, block_size: int) -> int:
+        """Tree depth for a drafter whose block holds `block_size` positions (the first is the root)."""
+        depth = block_size - 1
+        return depth if self.max_depth is None else min(depth, self.max_depth)
+
+
+def _positive_int(key: str, value: Any, upper: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"speculative_config[{key!r}] must be a positive integer, got {value!r}.")
+    if upper is not None and value > upper:
+        raise ValueError(
+            f"speculative_config[{key!r}] = {value} is above the supported maximum {upper}; "
+            f"use a value in 1..{upper}."
+        )
+    return value
+
+
+def split_ddtree_config(spec: dict[str, Any]) -> tuple[dict[str, Any], DDTreeConfig]:
+    """Split a `{"method": "ddtree", ...}` dict into vLLM's DFlash dict and the DDTree settings."""
+    assert spec.get("method") == METHOD
+    ddtree_keys = {"max_topk", "max_depth"}
+    unknown = sorted(set(spec) - _PASSTHROUGH_KEYS - ddtree_keys - set(_UNSUPPORTED_KEYS) - {"method"})
+    if unknown:
+        raise ValueError(
+            f"Unknown key(s) {unknown} in speculative_config for method 'ddtree'. Known keys: "
+            f"{sorted(_PASSTHROUGH_KEYS | ddtree_keys | {'method'})}."
+        )
+    for key, why in _UNSUPPORTED_KEYS.items():
+        if key in spec:
+            raise NotImplementedError(f"speculative_config[{key!r}] = {spec[key]!r} with method 'ddtree': {why}.")
+    if not spec.get("model"):
+        raise ValueError(
+            "speculative_config for method 'ddtree' needs 'model': the path of a DFlash drafter "
+            "(a folder whose config.json has 'dflash_config')."
+        )
+    if "num_speculative_tokens" not in spec:
+        raise ValueError(
+            "speculative_config for method 'ddtree' needs 'num_speculative_tokens': the tree's node budget B "
+            f"(draft nodes verified per step), an integer in 1..{MAX_BUDGET}."
+        )
+    budget = _positive_int("num_speculative_tokens", spec["num_speculative_tokens"], MAX_BUDGET)
+    max_topk = spec.get("max_topk")
+    max_depth = spec.get("max_depth")
+    ddtree = DDTreeConfig(
+        budget=budget,
+        max_topk=None if max_topk is None else _positive_int("max_topk", max_topk),
+        max_depth=None if max_depth is None else _positive_int("max_depth", max_depth),
+    )
+    dflash = {k: v for k, v in spec.items() if k in _PASSTHROUGH_KEYS}
+    dflash["method"] = "dflash"
+    return dflash, ddtree
+
+
+def validate_models(ddtree: DDTreeConfig, target_hf_config: Any, drafter_hf_config: Any, drafter_path: str) -> int:
+    """Check the drafter against the target; returns the tree depth."""
+    dflash_config = getattr(drafter_hf_config, "dflash_config", None)
+    if not dflash_config:
+        raise ValueError(
+            f"The drafter at {drafter_path!r} has no 'dflash_config' in its config.json: method 'ddtree' needs a "
+            "DFlash drafter (config with architectures ['DFlashDraftModel'], 'block_size' and "
+            "'dflash_config': {'mask_token_id': ..., 'target_layer_ids': [...]})."
+        )
+    block_size = getattr(drafter_hf_config, "block_size", None)
+    if not isinstance(block_size, int) or block_size < 2:
+        raise ValueError(
+            f"The drafter at {drafter_path!r} has block_size={block_size!r}; a DFlash drafter needs an integer "
+            "block_size >= 2 in its config.json."
+        )
+    target_text = getattr(target_hf_config, "text_config", None) or target_hf_config
+    target_hidden = getattr(target_text, "hidden_size", None)
+    drafter_target_hidden = getattr(drafter_hf_config, "target_hidden_size", None) or drafter_hf_config.hidden_size
+    if drafter_target_hidden != target_hidden:
+        raise ValueError(
+            f"The drafter at {drafter_path!r} expects target hidden size {drafter_target_hidden}, but the target "
+            f"model's hidden_size is {target_hidden}. Use a drafter trained for this target."
+        )
+    target_vocab = getattr(target_text, "vocab_size", None)
+    if drafter_hf_config.vocab_size != target_vocab:
+        raise ValueError(
+            f"The drafter at {drafter_path!r} has vocab_size {drafter_hf_config.vocab_size}, but the target's is "
+            f"{target_vocab}. DDTree needs a drafter over the target's vocabulary."
+        )
+    return ddtree.depth_for(block_size)

@@ -1,0 +1,35 @@
+"""Config hook: accept `{"method": "ddtree", ...}` in `LLM(speculative_config=...)` and `vllm serve`."""
+
+from __future__ import annotations
+
+import functools
+
+from vllm_ddtree import config as ddtree_config
+
+
+def install_config_hook() -> None:
+    from vllm_ddtree.compat import EngineArgs
+
+    original = EngineArgs.create_speculative_config
+    if getattr(original, "_ddtree_hook", False):
+        return
+
+    @functools.wraps(original)
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        spec = self.speculative_config
+        if not isinstance(spec, dict) or spec.get("method") != ddtree_config.METHOD:
+            return original(self, target_model_config, target_parallel_config)
+        spec = {k.replace("-", "_"): v for k, v in spec.items()}
+        dflash_spec, ddtree = ddtree_config.split_ddtree_config(spec)
+        self.speculative_config = dflash_spec
+        try:
+            spec_config = original(self, target_model_config, target_parallel_config)
+        finally:
+            self.speculative_config = spec
+        draft = spec_config.draft_model_config
+        depth = ddtree_config.validate_models(ddtree, target_model_config.hf_config, draft.hf_config, draft.model)
+        setattr(spec_config, ddtree_config.ATTRIBUTE, {**ddtree.to_dict(), "depth": depth})
+        return spec_config
+
+    create_speculative_config._ddtree_hook = True
+    EngineArgs.create_speculative_config = create_speculative_config

@@ -1,0 +1,1 @@
+"""Moving the accepted path's KV into consecutive slots."""

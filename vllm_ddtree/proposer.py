@@ -1,0 +1,60 @@
+"""The DDTree proposer: vLLM's DFlash drafter run once per step, its per-position logits turned into a tree.
+
+The drafter runs exactly as vLLM's in-tree DFlash does (one parallel pass over [bonus token, mask * D]), with D =
+the tree depth (the drafter's block size - 1, or `max_depth`), independent of the node budget B. Instead of the
+per-position argmax (a chain), `build_draft_tree` keeps the B most probable prefixes. The proposer returns the B
+non-root node tokens per request, parents before children, so vLLM's scheduler treats them as B draft tokens
+(and may truncate them to any prefix, which is still a tree). Parents and depths are kept for the next step's
+verification.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from vllm_ddtree.compat import DFlashProposer
+from vllm_ddtree.tree import DraftTree, build_draft_tree
+
+
+def _config_with_num_speculative_tokens(vllm_config, num_tokens: int):
+    """A shallow copy of vLLM's config whose speculative config drafts `num_tokens` positions per pass."""
+    spec = copy.copy(vllm_config.speculative_config)
+    spec.num_speculative_tokens = num_tokens
+    config = copy.copy(vllm_config)
+    config.speculative_config = spec
+    return config
+
+
+class DDTreeProposer(DFlashProposer):
+    def __init__(self, vllm_config, device: torch.device, runner, budget: int, depth: int, max_topk: int | None):
+        super().__init__(_config_with_num_speculative_tokens(vllm_config, depth), device, runner)
+        self.budget = budget
+        self.depth = depth
+        self.max_topk = max_topk
+        # [num_reqs * depth, vocab] logits of the last drafter pass.
+        self._draft_logits: torch.Tensor | None = None
+        self.last_tree: DraftTree | None = None
+
+    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+        # Keep the full per-position logits; the argmax chain returned here is not used.
+        logits = self.model.compute_logits(hidden_states)
+        self._draft_logits = logits
+        return logits.argmax(dim=-1), None
+
+    def propose(self, num_speculative_tokens: int, **kwargs) -> torch.Tensor:
+        next_token_ids = kwargs["next_token_ids"]  # [R]
+        num_reqs = next_token_ids.shape[0]
+        if num_speculative_tokens == 0:
+            super().propose(0, **kwargs)  # keeps the drafter's KV in sync
+            self.last_tree = None
+            return next_token_ids.new_empty((num_reqs, 0), dtype=torch.int64)
+        super().propose(self.depth, **kwargs)
+        assert self._draft_logits is not None
+        draft_logits = self._draft_logits.view(num_reqs, self.depth, -1)  # [R, D, V]
+        self.last_tree = build_draft_tree(
+            draft_logits, next_token_ids.to(torch.int64), budget=self.budget, max_topk=self.max_topk
+        )
+        self._draft_logits = None
+        return self.last_tree.token_ids[:, 1:]  # [R, B]

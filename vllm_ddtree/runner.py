@@ -1,0 +1,205 @@
+"""Hooks that give vLLM's model runner DDTree: the tree proposer, tree positions and attention, the scorer and KV
+compaction. Each hook wraps one `GPUModelRunner` method (the CPU runner inherits them) and does nothing unless
+the speculative config carries DDTree settings.
+
+One decode step, in the order vLLM calls the hooks:
+  `_prepare_inputs`            the scheduled drafts are last step's tree: lay it out, positions = root + depth
+  `_build_attention_metadata`  attach ancestor masks to the target layers' attention metadata
+  (target forward)             tree requests attend along their root paths (`TreeAttentionMetadata`)
+  `_sample`                    target choice per node, walk, accepted path + bonus; move the path's KV in place
+  `propose_draft_token_ids`    move the path's hidden states to the front, run the drafter, build the next tree
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_ddtree import config as ddtree_config
+from vllm_ddtree.attention.layers import target_attention_layers, wrap_tree_attention
+from vllm_ddtree.attention.metadata import ATTRIBUTE as TREE_METADATA, TreeAttentionMetadataBuilder
+from vllm_ddtree.kv.compact import compact_accepted_kv_, slot_mapping_of
+from vllm_ddtree.tree import WalkResult
+from vllm_ddtree.verify.scorer import accepted_path_moves, sampled_token_ids, walk_step
+from vllm_ddtree.verify.step import TreeStep, build_tree_step, chain_positions_, tree_positions_
+
+
+@dataclass
+class DDTreeRunnerState:
+    budget: int
+    depth: int
+    # Trees proposed in the previous step, by row; `prev_rows` maps request ids to those rows.
+    prev_parents: torch.Tensor | None = None  # [R_prev, B + 1]
+    prev_depths: torch.Tensor | None = None  # [R_prev, B + 1]
+    prev_rows: dict[str, int] = field(default_factory=dict)
+    # This step.
+    step: TreeStep | None = None
+    walk: WalkResult | None = None
+    moves: tuple[torch.Tensor, torch.Tensor] | None = None  # (src, dst) scheduled-token indices
+    # Set once the KV cache exists.
+    layers: dict = field(default_factory=dict)  # target attention layers by name
+    layer_groups: dict[str, int] = field(default_factory=dict)  # KV cache group of each layer
+    attention: TreeAttentionMetadataBuilder | None = None
+
+    @property
+    def width(self) -> int:
+        return self.budget + 1
+
+
+def _hook(cls, name: str):
+    """Decorator: replace `cls.name` by the decorated function, which receives the original first."""
+
+    def decorate(fn):
+        original = getattr(cls, name)
+
+        @functools.wraps(original)
+        def wrapper(self, *args, **kwargs):
+            return fn(original, self, *args, **kwargs)
+
+        setattr(cls, name, wrapper)
+        return fn
+
+    return decorate
+
+
+def install_runner_hooks() -> None:
+    from vllm_ddtree.compat import GPUModelRunner, SamplerOutput, init_logger
+
+    if getattr(GPUModelRunner, "_ddtree_hooked", False):
+        return
+    GPUModelRunner._ddtree_hooked = True
+    logger = init_logger("vllm_ddtree")
+
+    @_hook(GPUModelRunner, "__init__")
+    def __init__(original, self, vllm_config, device, *args, **kwargs):
+        original(self, vllm_config, device, *args, **kwargs)
+        spec = vllm_config.speculative_config
+        settings = getattr(spec, ddtree_config.ATTRIBUTE, None) if spec is not None else None
+        self._ddtree = None
+        if settings is None:
+            return
+        from vllm_ddtree.proposer import DDTreeProposer
+
+        if self.uses_mrope:
+            raise NotImplementedError("DDTree does not support M-RoPE target models yet; use method 'dflash'.")
+        self.drafter = DDTreeProposer(
+            vllm_config,
+            self.device,
+            self,
+            budget=settings["budget"],
+            depth=settings["depth"],
+            max_topk=settings["max_topk"],
+        )
+        self._ddtree = DDTreeRunnerState(budget=settings["budget"], depth=settings["depth"])
+        logger.info(
+            "DDTree: node budget %d, tree depth %d, max top-k per depth %s",
+            settings["budget"],
+            settings["depth"],
+            settings["max_topk"],
+        )
+
+    @_hook(GPUModelRunner, "initialize_kv_cache")
+    def initialize_kv_cache(original, self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        state = self._ddtree
+        if state is not None:
+            state.layers = target_attention_layers(self.get_model())
+            for layer in state.layers.values():
+                wrap_tree_attention(layer)
+            state.layer_groups = {
+                name: gid
+                for gid, group in enumerate(self.kv_cache_config.kv_cache_groups)
+                for name in group.layer_names
+            }
+            state.attention = TreeAttentionMetadataBuilder(set(state.layers))
+        return result
+
+    @_hook(GPUModelRunner, "_prepare_inputs")
+    def _prepare_inputs(original, self, scheduler_output, num_scheduled_tokens):
+        result = original(self, scheduler_output, num_scheduled_tokens)
+        state = self._ddtree
+        if state is None:
+            return result
+        logits_indices, spec_decode_metadata, _ = result
+        state.step = state.walk = state.moves = None
+        if spec_decode_metadata is not None:
+            prev_rows = [state.prev_rows.get(req_id, -1) for req_id in self.input_batch.req_ids]
+            state.step = build_tree_step(
+                spec_decode_metadata.num_draft_tokens,
+                logits_indices,
+                state.prev_parents,
+                state.prev_depths,
+                prev_rows,
+                state.width,
+            )
+            tree_positions_(self.positions, state.step)
+        return result
+
+    @_hook(GPUModelRunner, "_build_attention_metadata")
+    def _build_attention_metadata(original, self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        state = self._ddtree
+        if state is not None and state.step is not None and state.attention is not None:
+            state.attention.attach(state.step, result[0])
+        return result
+
+    @_hook(GPUModelRunner, "_sample")
+    def _sample(original, self, logits, spec_decode_metadata):
+        state = self._ddtree
+        if state is None or spec_decode_metadata is None or state.step is None:
+            return original(self, logits, spec_decode_metadata)
+        from vllm_ddtree.verify.sampling import node_choices
+
+        sampling_metadata = self.input_batch.sampling_metadata
+        self.input_batch.update_async_output_token_ids()
+        step = state.step
+        choices = node_choices(logits, step, sampling_metadata)  # [rows]
+        state.walk = walk_step(step, choices, self.input_ids.gpu, state.depth)
+        state.moves = accepted_path_moves(step, state.walk)
+        compact_accepted_kv_(state.layers, *state.moves, slot_mapping_of(self), state.layer_groups)
+        output = sampled_token_ids(state.walk, state.width).to(torch.int32)
+        return SamplerOutput(sampled_token_ids=output, logprobs_tensors=None)
+
+    @_hook(GPUModelRunner, "propose_draft_token_ids")
+    def propose_draft_token_ids(
+        original,
+        self,
+        scheduler_output,
+        sampled_token_ids,
+        sampling_metadata,
+        hidden_states,
+        sample_hidden_states,
+        aux_hidden_states,
+        spec_decode_metadata,
+        common_attn_metadata,
+        slot_mappings,
+    ):
+        state = self._ddtree
+        if state is not None and state.moves is not None:
+            src, dst = state.moves
+            for tensor in [self.input_ids.gpu, hidden_states, *(aux_hidden_states or [])]:
+                tensor[dst] = tensor[src]
+            chain_positions_(self.positions, state.step)
+        draft_token_ids = original(
+            self,
+            scheduler_output,
+            sampled_token_ids,
+            sampling_metadata,
+            hidden_states,
+            sample_hidden_states,
+            aux_hidden_states,
+            spec_decode_metadata,
+            common_attn_metadata,
+            slot_mappings,
+        )
+        if state is not None:
+            tree = self.drafter.last_tree
+            state.prev_parents = None if tree is None else tree.parents
+            state.prev_depths = None if tree is None else tree.depths
+            state.prev_rows = {req_id: row for row, req_id in enumerate(self.input_batch.req_ids)}
+        return draft_token_ids
+
+
+__all__ = ["DDTreeRunnerState", "install_runner_hooks", "TREE_METADATA"]

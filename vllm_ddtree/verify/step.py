@@ -1,0 +1,88 @@
+"""The layout of one verification step: which scheduled tokens are which tree nodes.
+
+vLLM schedules, per request, the root (the last accepted token) followed by its n <= B draft tokens, and computes
+target logits at all n + 1 of them (`SpecDecodeMetadata.logits_indices`). Requests without drafts (prefill
+chunks, plain decodes) are root-only trees. Every per-node tensor here is padded to [R, N] with N = B + 1; a
+padded entry aliases the request's last valid node, so gathers and scatters stay in bounds and need no masks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class TreeStep:
+    num_nodes: torch.Tensor  # [R] int64, valid nodes per request (root included)
+    parents: torch.Tensor  # [R, N] int64, -1 for the root
+    depths: torch.Tensor  # [R, N] int64; a padded entry has its alias's depth
+    node_rows: torch.Tensor  # [R, N] int64, row of each node in the step's logits
+    node_token_index: torch.Tensor  # [R, N] int64, index of each node among the step's scheduled tokens
+    num_nodes_cpu: np.ndarray  # [R] host copy of num_nodes
+    tree_reqs_cpu: np.ndarray  # [T] requests with at least one draft node
+
+    @property
+    def width(self) -> int:
+        return self.parents.shape[1]
+
+
+def padded_node_index(num_nodes_cpu: np.ndarray, width: int) -> np.ndarray:
+    """[R, N] node index clamped to each request's last valid node."""
+    node = np.arange(width)[None, :]
+    return np.minimum(node, num_nodes_cpu[:, None] - 1)
+
+
+def build_tree_step(
+    num_draft_tokens: list[int],
+    logits_indices: torch.Tensor,  # [sum(n + 1)] scheduled-token index of each logits row
+    prev_parents: torch.Tensor | None,  # [R_prev, N] trees proposed in the previous step
+    prev_depths: torch.Tensor | None,  # [R_prev, N]
+    prev_rows: list[int],  # [R] row of each request in prev_*, -1 where it has no drafts
+    width: int,
+) -> TreeStep:
+    device = logits_indices.device
+    num_nodes_cpu = np.asarray(num_draft_tokens, dtype=np.int64) + 1
+    num_reqs = num_nodes_cpu.shape[0]
+    node_cpu = padded_node_index(num_nodes_cpu, width)  # [R, N]
+    row_start = np.cumsum(num_nodes_cpu) - num_nodes_cpu
+    node_rows = torch.from_numpy(row_start[:, None] + node_cpu).to(device)
+
+    parents = torch.full((num_reqs, width), -1, dtype=torch.int64, device=device)
+    depths = torch.zeros((num_reqs, width), dtype=torch.int64, device=device)
+    tree_reqs_cpu = np.flatnonzero(num_nodes_cpu > 1)
+    if tree_reqs_cpu.size:
+        assert prev_parents is not None and prev_depths is not None
+        rows = torch.from_numpy(np.asarray(prev_rows, dtype=np.int64)[tree_reqs_cpu]).to(device)
+        dst = torch.from_numpy(tree_reqs_cpu).to(device)
+        parents[dst] = prev_parents[rows]
+        depths[dst] = prev_depths[rows]
+    node = torch.from_numpy(node_cpu).to(device)
+    depths = depths.gather(1, node)
+    return TreeStep(
+        num_nodes=torch.from_numpy(num_nodes_cpu).to(device),
+        parents=parents,
+        depths=depths,
+        node_rows=node_rows,
+        node_token_index=logits_indices.to(torch.int64)[node_rows],
+        num_nodes_cpu=num_nodes_cpu,
+        tree_reqs_cpu=tree_reqs_cpu,
+    )
+
+
+def tree_positions_(positions: torch.Tensor, step: TreeStep) -> None:
+    """Give each node the position (root position + depth) in place; vLLM gave it root position + index."""
+    index = step.node_token_index  # [R, N]
+    root_positions = positions[index[:, 0]]  # [R]
+    positions[index.flatten()] = (root_positions[:, None] + step.depths).flatten().to(positions.dtype)
+
+
+def chain_positions_(positions: torch.Tensor, step: TreeStep) -> None:
+    """Undo `tree_positions_`: node i gets root position + i again (the accepted path is moved to the front)."""
+    index = step.node_token_index
+    root_positions = positions[index[:, 0]]
+    node = torch.arange(step.width, device=index.device)[None, :]
+    node = torch.minimum(node, step.num_nodes[:, None] - 1)
+    positions[index.flatten()] = (root_positions[:, None] + node).flatten().to(positions.dtype)
