@@ -20,7 +20,9 @@ def register() -> None:
         return
     _registered = True
     from vllm_ddtree.engine_hooks import install_config_hook
+    from vllm_ddtree.requests import install_request_hook
     from vllm_ddtree.runner import install_runner_hooks
 
     install_config_hook()
+    install_request_hook()
     install_runner_hooks()

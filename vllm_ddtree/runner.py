@@ -22,7 +22,7 @@ from vllm_ddtree.attention.layers import target_attention_layers, wrap_tree_atte
 from vllm_ddtree.attention.metadata import ATTRIBUTE as TREE_METADATA, TreeAttentionMetadataBuilder
 from vllm_ddtree.kv.compact import compact_accepted_kv_, slot_mapping_of
 from vllm_ddtree.tree import WalkResult
-from vllm_ddtree.verify.scorer import accepted_path_moves, sampled_token_ids, walk_step
+from vllm_ddtree.verify.scorer import accepted_path_moves, node_tokens, sampled_token_ids, walk_step
 from vllm_ddtree.verify.step import TreeStep, build_tree_step, chain_positions_, tree_positions_
 
 
@@ -155,8 +155,9 @@ def install_runner_hooks() -> None:
         sampling_metadata = self.input_batch.sampling_metadata
         self.input_batch.update_async_output_token_ids()
         step = state.step
-        choices = node_choices(logits, step, sampling_metadata)  # [rows]
-        state.walk = walk_step(step, choices, self.input_ids.gpu, state.depth)
+        tokens = node_tokens(step, self.input_ids.gpu)  # [R, N]
+        choices = node_choices(logits, step, sampling_metadata, tokens)  # [rows]
+        state.walk = walk_step(step, choices, tokens, state.depth)
         state.moves = accepted_path_moves(step, state.walk)
         compact_accepted_kv_(state.layers, *state.moves, slot_mapping_of(self), state.layer_groups)
         output = sampled_token_ids(state.walk, state.width).to(torch.int32)

@@ -1,4 +1,13 @@
-"""The target's choice at each tree node: argmax at temperature 0."""
+"""The target's choice at each tree node.
+
+Greedy requests take the argmax. Sampled requests draw one token per node from the target's processed
+distribution at that node: penalties counted along the node's own root path, then temperature, top-k/top-p
+(vLLM's own `apply_top_k_top_p`), then an exponential race (argmax p / q, q ~ Exp(1)) drawn from the request's
+generator when it has a seed. Each node's sample is independent of the drafter, so walking the tree along the
+samples yields tokens distributed exactly as the target's (the DDTree verification rule).
+
+Only SamplingMetadata fields are read; every tensor stays on the logits' device.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +15,111 @@ import torch
 
 from vllm_ddtree.verify.step import TreeStep
 
+_SAMPLING_EPS = 1e-5
 
-def node_choices(logits: torch.Tensor, step: TreeStep, sampling_metadata) -> torch.Tensor:
+
+def node_requests(step: TreeStep) -> torch.Tensor:
+    """[rows] the request of every logits row."""
+    reqs = torch.arange(step.num_nodes.shape[0], device=step.num_nodes.device)
+    return reqs.repeat_interleave(step.num_nodes, output_size=int(step.num_nodes_cpu.sum()))
+
+
+def path_token_counts(step: TreeStep, node_tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, V] how often each token occurs on a node's root path, the root excluded, the node included."""
+    from vllm_ddtree.tree import ancestor_mask
+
+    num_reqs, width = step.parents.shape
+    on_path = ancestor_mask(step.parents)  # [R, N, N] node i, ancestor-or-self j
+    on_path[:, :, 0] = False  # the root is already among the request's output tokens
+    tokens = node_tokens[:, None, :].expand(num_reqs, width, width)
+    counts = torch.zeros((num_reqs, width, vocab_size), dtype=torch.float32, device=node_tokens.device)
+    counts.scatter_add_(2, tokens, on_path.float())
+    # Padded rows alias the last valid node; keep the valid ones in logits-row order.
+    node = torch.arange(width, device=node_tokens.device)[None, :]
+    valid = node < step.num_nodes[:, None]
+    return counts[valid]
+
+
+def output_token_counts(output_token_ids: list[list[int]], vocab_size: int, device) -> torch.Tensor:
+    """[R, V] counts of each request's generated tokens."""
+    counts = torch.zeros((len(output_token_ids), vocab_size + 1), dtype=torch.float32)
+    for row, tokens in enumerate(output_token_ids):
+        if tokens:
+            ids = torch.tensor(tokens, dtype=torch.int64).clamp_(min=-1, max=vocab_size)
+            ids[ids < 0] = vocab_size  # placeholders of not-yet-known tokens
+            counts[row].index_add_(0, ids, torch.ones(ids.shape[0]))
+    return counts[:, :vocab_size].to(device)
+
+
+def prompt_token_mask(prompt_token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[R, V] True where the token occurs in the prompt (vLLM pads prompts with `vocab_size`)."""
+    mask = torch.zeros((prompt_token_ids.shape[0], vocab_size + 1), dtype=torch.bool, device=prompt_token_ids.device)
+    mask.scatter_(1, prompt_token_ids.to(torch.int64), True)
+    return mask[:, :vocab_size]
+
+
+def apply_penalties_(
+    logits: torch.Tensor,  # [rows, V] float32
+    node_req: torch.Tensor,  # [rows]
+    step: TreeStep,
+    node_tokens: torch.Tensor,  # [R, N]
+    sampling_metadata,
+) -> torch.Tensor:
+    vocab_size = logits.shape[1]
+    base = output_token_counts(sampling_metadata.output_token_ids, vocab_size, logits.device)[node_req]
+    counts = base + path_token_counts(step, node_tokens, vocab_size)  # [rows, V]
+    output_mask = counts > 0
+    prompt_mask = prompt_token_mask(sampling_metadata.prompt_token_ids, vocab_size)[node_req]
+    repetition = sampling_metadata.repetition_penalties[node_req].unsqueeze(1)
+    seen = output_mask | prompt_mask
+    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalized, logits)
+    logits -= sampling_metadata.frequency_penalties[node_req].unsqueeze(1) * counts
+    logits -= sampling_metadata.presence_penalties[node_req].unsqueeze(1) * output_mask
+    return logits
+
+
+def exponential_noise(
+    shape: tuple[int, int], node_req: torch.Tensor, step: TreeStep, generators: dict, device
+) -> torch.Tensor:
+    """q ~ Exp(1) per (row, token); rows of seeded requests come from their own generator."""
+    q = torch.empty(shape, dtype=torch.float32, device=device)
+    q.exponential_()
+    if generators:
+        row_start = step.num_nodes_cpu.cumsum() - step.num_nodes_cpu
+        for req, generator in generators.items():
+            start, count = int(row_start[req]), int(step.num_nodes_cpu[req])
+            q[start : start + count].exponential_(generator=generator)
+    return q
+
+
+def node_choices(
+    logits: torch.Tensor,  # [rows, V]
+    step: TreeStep,
+    sampling_metadata,
+    node_tokens: torch.Tensor,  # [R, N] token of every node
+) -> torch.Tensor:
     """[rows] the target's token at every logits row (one row per tree node)."""
-    if not sampling_metadata.all_greedy:
-        raise NotImplementedError("DDTree sampling at temperature > 0 is not implemented yet")
-    return logits.argmax(dim=-1)
+    from vllm_ddtree.compat import apply_top_k_top_p
+
+    if sampling_metadata.all_greedy and sampling_metadata.no_penalties:
+        return logits.argmax(dim=-1)
+    node_req = node_requests(step)
+    logits = logits.to(torch.float32)
+    if sampling_metadata.allowed_token_ids_mask is not None:
+        logits = logits.masked_fill(sampling_metadata.allowed_token_ids_mask[node_req], float("-inf"))
+    if not sampling_metadata.no_penalties:
+        logits = apply_penalties_(logits, node_req, step, node_tokens, sampling_metadata)
+    greedy = logits.argmax(dim=-1)
+    if sampling_metadata.all_greedy:
+        return greedy
+    temperature = sampling_metadata.temperature[node_req]
+    is_greedy = temperature < _SAMPLING_EPS
+    logits = logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(1)
+    top_k = None if sampling_metadata.top_k is None else sampling_metadata.top_k[node_req]
+    top_p = None if sampling_metadata.top_p is None else sampling_metadata.top_p[node_req]
+    logits = apply_top_k_top_p(logits, top_k, top_p)
+    probs = logits.softmax(dim=-1)
+    q = exponential_noise(probs.shape, node_req, step, sampling_metadata.generators, probs.device)
+    sampled = probs.div_(q).argmax(dim=-1)
+    return torch.where(is_greedy, greedy, sampled)

@@ -15,15 +15,19 @@ from vllm_ddtree.verify.step import TreeStep
 PLACEHOLDER_TOKEN_ID = -1
 
 
+def node_tokens(step: TreeStep, input_ids: torch.Tensor) -> torch.Tensor:
+    """[R, N] the token of every node, read from this step's input ids."""
+    return input_ids.to(torch.int64)[step.node_token_index]
+
+
 def walk_step(
     step: TreeStep,
     node_choices: torch.Tensor,  # [rows] the target's choice at every logits row
-    input_ids: torch.Tensor,  # [num_scheduled_tokens] this step's input token ids
+    tokens: torch.Tensor,  # [R, N] the token of every node
     max_depth: int,
 ) -> WalkResult:
     target = node_choices.to(torch.int64)[step.node_rows]  # [R, N]
-    node_tokens = input_ids.to(torch.int64)[step.node_token_index]  # [R, N]
-    return walk_tree(node_tokens, step.parents, step.depths, target, step.num_nodes, max_depth)
+    return walk_tree(tokens, step.parents, step.depths, target, step.num_nodes, max_depth)
 
 
 def sampled_token_ids(walk: WalkResult, width: int) -> torch.Tensor:

@@ -1,0 +1,75 @@
+"""Run vLLM's offline `LLM` on tiny models and collect outputs and spec-decode metrics."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+
+SPEC_METRICS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+    "vllm:spec_decode_num_accepted_tokens_per_pos",
+)
+
+
+@dataclass
+class RunResult:
+    token_ids: list[list[int]]
+    finish_reasons: list[str]
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def acceptance_length(self) -> float:
+        drafts = self.metrics.get("vllm:spec_decode_num_drafts", 0)
+        accepted = self.metrics.get("vllm:spec_decode_num_accepted_tokens", 0)
+        return 1.0 + accepted / drafts if drafts else 1.0
+
+
+def make_llm(target: str, spec: dict | None, **engine_kwargs):
+    from vllm import LLM
+
+    kwargs = dict(
+        model=target,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=512,
+        enforce_eager=True,
+        distributed_executor_backend="uni",
+        kv_cache_memory_bytes=64 * 2**20,
+        disable_log_stats=False,
+        seed=0,
+    )
+    kwargs.update(engine_kwargs)
+    return LLM(speculative_config=spec, **kwargs)
+
+
+def generate(llm, prompts: list[list[int]], sampling_params) -> RunResult:
+    from vllm.inputs import TokensPrompt
+
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling_params, use_tqdm=False)
+    metrics = {}
+    for metric in llm.get_metrics():
+        if metric.name in SPEC_METRICS:
+            metrics[metric.name] = getattr(metric, "values", None) or getattr(metric, "value", 0)
+    return RunResult(
+        token_ids=[list(o.outputs[0].token_ids) for o in outputs],
+        finish_reasons=[o.outputs[0].finish_reason for o in outputs],
+        metrics=metrics,
+    )
+
+
+def run(target: str, spec: dict | None, prompts, sampling_params, **engine_kwargs) -> RunResult:
+    llm = make_llm(target, spec, **engine_kwargs)
+    try:
+        return generate(llm, prompts, sampling_params)
+    finally:
+        close(llm)
+
+
+def close(llm) -> None:
+    engine_core = getattr(llm.llm_engine, "engine_core", None)
+    if engine_core is not None and hasattr(engine_core, "shutdown"):
+        engine_core.shutdown()
+    del llm
+    gc.collect()

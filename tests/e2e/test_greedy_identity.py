@@ -1,0 +1,65 @@
+"""DDTree inside real vLLM (CPU build) is lossless at temperature 0: token-identical to vLLM without speculation.
+
+Budgets B sweep below, at and above the drafter's block size (the place where a size derived from the block size
+instead of B + 1 would show), for two block sizes, on a batch of prompts of different lengths submitted together.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.engine import run
+from tests.tiny_models import make_tiny_dflash_drafter, make_tiny_target
+
+BUDGETS = [1, 2, 3, 7, 8, 15, 16, 17, 31, 64]
+BLOCK_SIZES = [4, 16]
+MAX_TOKENS = 40
+
+
+def prompts() -> list[list[int]]:
+    # Six prompts of lengths 1..~70, different contents.
+    return [[7], [5, 17, 33, 8], [100 + i for i in range(13)], [3, 9] * 11, [400 - 3 * i for i in range(37)], [11] * 70]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    target = make_tiny_target(root / "target")
+    drafters = {bs: make_tiny_dflash_drafter(root / f"drafter{bs}", block_size=bs) for bs in BLOCK_SIZES}
+    return str(target), {bs: str(d) for bs, d in drafters.items()}
+
+
+@pytest.fixture(scope="module")
+def greedy_params():
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False)
+
+
+@pytest.fixture(scope="module")
+def baseline(models, greedy_params):
+    return run(models[0], None, prompts(), greedy_params)
+
+
+def check_spec_metrics(result, budget: int, depth: int) -> None:
+    m = result.metrics
+    drafts = m["vllm:spec_decode_num_drafts"]
+    accepted = m["vllm:spec_decode_num_accepted_tokens"]
+    per_pos = list(m["vllm:spec_decode_num_accepted_tokens_per_pos"])
+    assert drafts > 0
+    assert m["vllm:spec_decode_num_draft_tokens"] == budget * drafts
+    assert sum(per_pos) == accepted
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:])), per_pos  # a node is accepted only after its parent
+    assert all(count == 0 for count in per_pos[min(budget, depth) :])  # paths never exceed the tree's depth
+    produced = sum(len(t) - 1 for t in result.token_ids)  # tokens after each request's first (prefill) token
+    assert produced <= drafts + accepted
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_greedy_identical_to_no_speculation(models, baseline, greedy_params, block_size, budget):
+    target, drafters = models
+    spec = {"method": "ddtree", "model": drafters[block_size], "num_speculative_tokens": budget}
+    result = run(target, spec, prompts(), greedy_params)
+    assert result.token_ids == baseline.token_ids
+    check_spec_metrics(result, budget, depth=block_size - 1)

@@ -1,0 +1,41 @@
+"""Per-request checks: sampling parameters DDTree cannot honour yet are refused when the request arrives
+(an HTTP 400 under `vllm serve`), never silently ignored inside the engine."""
+
+from __future__ import annotations
+
+from vllm_ddtree import config as ddtree_config
+
+_HOW = "send the request to a server without speculative decoding, or with method 'dflash'"
+
+
+def unsupported_reason(params) -> tuple[str, str] | None:
+    """(parameter, why) for the first parameter DDTree does not support, or None."""
+    if getattr(params, "structured_outputs", None) is not None:
+        return "structured_outputs", f"structured output is not supported with DDTree yet; {_HOW}"
+    if getattr(params, "bad_words", None):
+        return "bad_words", f"bad_words is not supported with DDTree yet; {_HOW}"
+    if getattr(params, "min_tokens", 0):
+        return "min_tokens", f"min_tokens={params.min_tokens} is not supported with DDTree yet; use min_tokens=0"
+    if getattr(params, "logprobs", None) is not None:
+        return "logprobs", f"logprobs={params.logprobs} is not supported with DDTree yet; leave logprobs unset"
+    return None
+
+
+def install_request_hook() -> None:
+    from vllm_ddtree.compat import SamplingParams, validation_error
+
+    original = SamplingParams.verify
+    if getattr(original, "_ddtree_hook", False):
+        return
+
+    def verify(self, model_config, speculative_config, *args, **kwargs):
+        original(self, model_config, speculative_config, *args, **kwargs)
+        if getattr(speculative_config, ddtree_config.ATTRIBUTE, None) is None:
+            return
+        problem = unsupported_reason(self)
+        if problem is not None:
+            parameter, why = problem
+            raise validation_error(why, parameter)
+
+    verify._ddtree_hook = True
+    SamplingParams.verify = verify
