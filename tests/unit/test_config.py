@@ -1,0 +1,57 @@
+"""DDTree's speculative-config keys: split into vLLM's DFlash config, defaults, and clear errors."""
+
+import pytest
+
+from vllm_ddtree.config import MAX_BUDGET, DDTreeConfig, split_ddtree_config
+
+
+def spec(**extra):
+    return {"method": "ddtree", "model": "/drafter", "num_speculative_tokens": 15, **extra}
+
+
+def test_split_passes_vllm_keys_and_keeps_tree_knobs():
+    dflash, ddtree = split_ddtree_config(spec(max_topk=4, max_depth=6, max_model_len=128))
+    assert dflash == {"method": "dflash", "model": "/drafter", "num_speculative_tokens": 15, "max_model_len": 128}
+    assert ddtree == DDTreeConfig(budget=15, max_topk=4, max_depth=6)
+
+
+def test_defaults():
+    _, ddtree = split_ddtree_config(spec())
+    assert ddtree.max_topk is None and ddtree.max_depth is None
+    assert ddtree.depth_for(block_size=16) == 15
+    assert DDTreeConfig(budget=3, max_depth=4).depth_for(block_size=16) == 4
+
+
+@pytest.mark.parametrize("budget", [0, -1, MAX_BUDGET + 1, 2.5, "8", True])
+def test_bad_budget_names_key_and_range(budget):
+    with pytest.raises(ValueError, match="num_speculative_tokens") as err:
+        split_ddtree_config(spec(num_speculative_tokens=budget))
+    assert repr(budget) in str(err.value) or str(budget) in str(err.value)
+
+
+def test_missing_budget_and_drafter():
+    with pytest.raises(ValueError, match="needs 'num_speculative_tokens'"):
+        split_ddtree_config({"method": "ddtree", "model": "/drafter"})
+    with pytest.raises(ValueError, match="needs 'model'"):
+        split_ddtree_config({"method": "ddtree", "num_speculative_tokens": 4})
+
+
+def test_unknown_key_is_named():
+    with pytest.raises(ValueError, match=r"Unknown key\(s\) \['tree_width'\]"):
+        split_ddtree_config(spec(tree_width=3))
+
+
+@pytest.mark.parametrize("key", ["max_topk", "max_depth"])
+def test_bad_knobs(key):
+    with pytest.raises(ValueError, match=key):
+        split_ddtree_config(spec(**{key: 0}))
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [("disable_padded_drafter_batch", True), ("num_speculative_tokens_per_batch_size", [[1, 8, 4]]),
+     ("draft_sample_method", "probabilistic"), ("use_heterogeneous_vocab", True)],
+)
+def test_unsupported_vllm_features_are_named(key, value):
+    with pytest.raises(NotImplementedError, match=key):
+        split_ddtree_config(spec(**{key: value}))
