@@ -1,0 +1,257 @@
+"""Building the DDTree draft tree from the drafter's per-depth marginals (pure torch, batched).
+
+The drafter (DFlash) predicts one block of D future positions in a single pass, so it gives independent
+marginals: depth d uses row d-1 of `draft_logits`. A node of the tree is a token prefix t_1..t_d and its score
+is the sum of the per-depth log-probabilities of its tokens. DDTree (Ringel & Romano 2026) keeps the `budget`
+highest-scoring prefixes, found with a best-first heap (pop the best prefix, push its first child and its next
+sibling). `build_draft_tree` finds the same set with tensor ops: a depth-by-depth beam, then one global top-k.
+
+Why the beam gives the heap's set
+---------------------------------
+Fix the total order on prefixes used everywhere below:
+  * at one depth: score descending, then the parent's place in this order, then the token's rank at this depth;
+  * across depths: score descending, then depth ascending, then the order at that depth.
+Per-depth token ranks are non-increasing in log-probability, and float32 rounding is monotone, so
+score(child) <= score(parent) and score(next sibling) <= score(sibling); on equal scores the tie-break puts the
+parent (shallower) and the earlier sibling first. Every prefix's heap predecessor (previous sibling if its last
+rank is > 0, else its parent) therefore comes before it, so the heap pops prefixes in exactly this order and
+its first `budget` pops are the `budget` first prefixes of the order: a set closed under taking parents.
+
+Beam: at depth d keep the first min(budget, K^d) prefixes of length d (in the per-depth order). Claim: if y of
+length d+1 is among the first `budget` prefixes of length d+1, its parent p is in the depth-d beam. Otherwise
+`budget` prefixes q_i of length d come before p; each q_i extended by the depth-(d+1) top token comes before y
+(score(q_i) + lp_0 >= score(p) + lp(y), and on equality q_i's place breaks the tie), giving `budget` prefixes of
+length d+1 before y, a contradiction. So each beam is exact, and the global first `budget` (whose members of
+length d are a head of the depth-d order, at most `budget` long) lie inside the union of the beams.
+
+Only the per-depth top K = min(budget, V, max_topk or budget) tokens are considered: a token ranked >= budget
+at some depth has `budget` better-or-equal alternatives there, so it can never be among the best `budget`.
+
+Node order and tie-break (deterministic)
+----------------------------------------
+Node 0 is the root; nodes 1..budget follow the total order above: score descending, then depth ascending,
+then (same depth) the parent's order, then the token's rank. Tokens of one depth are ranked by logit
+descending, equal logits by lower token id first (also at the K-th place: the top-K of a depth is the first
+K tokens of that ranking, as with a stable sort; K = 1 gives torch.argmax's token). Parents always precede
+their children, so every prefix of the node list is a valid subtree (vLLM may truncate the draft to its first
+n tokens).
+
+Devices: CPU and CUDA pick the same top-K tokens; the log-normaliser (logsumexp) may differ by ~1 ulp between
+them, which can shift `log_probs` by that much and reorder nodes whose scores are within that distance.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DraftTree", "build_draft_tree", "max_tree_nodes"]
+
+
+@dataclass
+class DraftTree:
+    """A batch of draft trees, one per request, each with `budget + 1` nodes in topological order."""
+
+    token_ids: torch.Tensor  # [R, N] int64; N = budget + 1; node 0 is the root (token = root_token_ids)
+    parents: torch.Tensor  # [R, N] int64; parent node index, -1 for the root
+    depths: torch.Tensor  # [R, N] int64; 0 for the root, 1..D for the others
+    log_probs: torch.Tensor  # [R, N] float32; cumulative path log-probability (0 for the root)
+
+
+@dataclass
+class _DepthBeam:
+    """The best prefixes of one length, in the per-depth order."""
+
+    scores: torch.Tensor  # [R, W] float32 cumulative log-probability
+    token_ids: torch.Tensor  # [R, W] int64 last token of the prefix
+    parent_slots: torch.Tensor  # [R, W] int64 slot of the parent in the previous depth's beam (0 at depth 1)
+
+
+def _topk_k(vocab_size: int, max_topk: int | None, budget: int) -> int:
+    return min(budget, vocab_size, budget if max_topk is None else max_topk)
+
+
+def max_tree_nodes(depth: int, vocab_size: int, max_topk: int | None, budget: int) -> int:
+    """Number of distinct prefixes of length 1..depth over the per-depth top-K tokens: sum_{d=1..depth} K^d.
+
+    K = min(budget, vocab_size, max_topk or budget). `budget` may not exceed this value. Exact (a Python
+    int, possibly huge); costs `depth` integer multiplications.
+    """
+    for name, value in (("depth", depth), ("vocab_size", vocab_size), ("budget", budget)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if max_topk is not None and max_topk < 1:
+        raise ValueError(f"max_topk must be >= 1 or None (no cap), got {max_topk}")
+    k = _topk_k(vocab_size, max_topk, budget)
+    return sum(k**d for d in range(1, depth + 1))
+
+
+def _sortable_key(scores: torch.Tensor) -> torch.Tensor:
+    """Map float32 values to int64 keys with the same order (so ties can be broken by an index)."""
+    bits = (scores + 0.0).view(torch.int32).to(torch.int64)  # + 0.0 folds -0.0 into +0.0
+    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+def _stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest along the last dim, largest first, equal values by lower index first."""
+    n = scores.shape[-1]
+    position = torch.arange(n, device=scores.device, dtype=torch.int64)
+    key = _sortable_key(scores) * 2**32 + (n - 1 - position)  # [..., n]; unique, so topk order is total
+    return torch.topk(key, k, dim=-1, sorted=True).indices
+
+
+def _top_tokens(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-depth top-k tokens ranked by logit descending (equal logits: lower id first) and their float32
+    log-probabilities, non-increasing along the last dim.
+
+    torch.topk alone picks arbitrarily among tokens tied at the k-th place, so a second top-k over an int32
+    key takes every token strictly above the k-th logit, then the lowest ids among those equal to it.
+    """
+    vocab = draft_logits.shape[-1]
+    kth = torch.topk(draft_logits, k, dim=-1, sorted=True).values[..., k - 1 :]  # [R, D, 1]
+    reverse_id = torch.arange(vocab, 0, -1, device=draft_logits.device, dtype=torch.int32)  # [V] = V - id
+    key = torch.where(draft_logits > kth, reverse_id + vocab, torch.where(draft_logits == kth, reverse_id, 0))
+    token_ids = torch.topk(key, k, dim=-1, sorted=False).indices  # [R, D, K] the selected set
+    token_ids = torch.sort(token_ids, dim=-1).values  # [R, D, K] ascending ids
+    logits = draft_logits.gather(-1, token_ids)
+    logits, by_logit = torch.sort(logits, dim=-1, descending=True, stable=True)
+    token_ids = token_ids.gather(-1, by_logit)
+    log_z = torch.logsumexp(draft_logits.float(), dim=-1, keepdim=True)  # [R, D, 1]
+    return token_ids, logits.float() - log_z  # [R, D, K] int64, [R, D, K] float32
+
+
+@functools.lru_cache(maxsize=1024)
+def _num_candidates(num_slots: int, k: int, width: int) -> int:
+    return sum(min(k, width // (b + 1)) for b in range(num_slots))
+
+
+def _candidate_pairs(prev_width: int, k: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(beam slot b, token rank r) pairs that can be among the best `width` extensions, slot-major.
+
+    Beam scores fall with b and log-probs with r, so the (b+1)(r+1) - 1 pairs (b', r') <= (b, r) all come first
+    (higher score, or equal score and lower b*K + r): only pairs with (b+1)(r+1) <= width can make the cut,
+    about width * ln(width) of them instead of prev_width * k. Sizes depend on ints only: no sync.
+    """
+    num_slots = min(prev_width, width)
+    total = _num_candidates(num_slots, k, width)  # C
+    counts = (width // torch.arange(1, num_slots + 1, device=device)).clamp(max=k)  # [W'] candidates per slot
+    slots = torch.repeat_interleave(counts, output_size=total)  # [C] slot of each candidate
+    first = torch.cumsum(counts, dim=0) - counts  # [W'] first candidate of each slot
+    ranks = torch.arange(slots.shape[0], device=device) - first[slots]  # [C]
+    return slots, ranks
+
+
+def _extend_beam(beam: _DepthBeam, lp: torch.Tensor, tok: torch.Tensor, width: int) -> _DepthBeam:
+    """Best `width` one-token extensions of `beam` by this depth's top tokens (lp, tok: [R, K])."""
+    slots, ranks = _candidate_pairs(beam.scores.shape[1], lp.shape[1], width, lp.device)  # [C]
+    cand = beam.scores[:, slots] + lp[:, ranks]  # [R, C]
+    pick = _stable_topk(cand, width)  # [R, width] index into the candidates
+    return _DepthBeam(
+        scores=cand.gather(1, pick),
+        token_ids=tok.gather(1, ranks[pick]),
+        parent_slots=slots[pick],
+    )
+
+
+def _depth_beams(lp: torch.Tensor, tok: torch.Tensor, budget: int) -> list[_DepthBeam]:
+    """Beams for depths 1..D; lp, tok: [R, D, K]. Depth d keeps min(budget, K^d) prefixes."""
+    depth, k = lp.shape[1], lp.shape[2]
+    first = _DepthBeam(scores=lp[:, 0], token_ids=tok[:, 0], parent_slots=torch.zeros_like(tok[:, 0]))
+    beams, width = [first], k
+    for d in range(1, depth):
+        width = min(budget, width * k)
+        beams.append(_extend_beam(beams[-1], lp[:, d], tok[:, d], width))
+    return beams
+
+
+@dataclass
+class _Slots:
+    """The root and every beam prefix, flattened: slot 0 is the root, then depth 1, depth 2, ..."""
+
+    scores: torch.Tensor  # [R, M] float32 (0 for the root)
+    token_ids: torch.Tensor  # [R, M] int64
+    parent_slots: torch.Tensor  # [R, M] int64 slot of the parent, -1 for the root
+    depths: torch.Tensor  # [M] int64
+
+
+def _flatten_beams(beams: list[_DepthBeam], root_token_ids: torch.Tensor) -> _Slots:
+    """Concatenate the root and the beams depth-major, turning per-beam parent slots into global ones."""
+    num_req, device = root_token_ids.shape[0], beams[0].scores.device
+    widths = [1] + [b.scores.shape[1] for b in beams]
+    offsets = [sum(widths[:d]) for d in range(len(widths))]  # first slot of depth d (depth 0 = root)
+    root = torch.zeros(num_req, 1, dtype=torch.int64, device=device)
+    return _Slots(
+        scores=torch.cat([root.float()] + [b.scores for b in beams], dim=1),
+        token_ids=torch.cat([root_token_ids.to(device, torch.int64)[:, None]] + [b.token_ids for b in beams], dim=1),
+        parent_slots=torch.cat([root - 1] + [b.parent_slots + offsets[d] for d, b in enumerate(beams)], dim=1),
+        depths=torch.cat([torch.full((w,), d, dtype=torch.int64, device=device) for d, w in enumerate(widths)]),
+    )
+
+
+def _pick_nodes(slots: _Slots, num_nodes: int) -> DraftTree:
+    """The first `num_nodes` slots in the global order (score desc, then slot = depth, beam order), as a tree.
+
+    The root (score 0 >= every prefix, slot 0) always comes first; the picked set is parent-closed.
+    """
+    num_req = slots.scores.shape[0]
+    chosen = _stable_topk(slots.scores, num_nodes)  # [R, N] slots in node order
+    node_of_slot = torch.full_like(slots.token_ids, -1)  # [R, M] node index, -1 if not chosen
+    node_ids = torch.arange(num_nodes, device=chosen.device).expand(num_req, num_nodes)
+    node_of_slot.scatter_(1, chosen, node_ids)
+    parent_slots = slots.parent_slots.gather(1, chosen)  # [R, N]
+    parents = torch.where(parent_slots < 0, -1, node_of_slot.gather(1, parent_slots.clamp(min=0)))  # [R, N]
+    return DraftTree(
+        token_ids=slots.token_ids.gather(1, chosen),
+        parents=parents,
+        depths=slots.depths[chosen],
+        log_probs=slots.scores.gather(1, chosen),
+    )
+
+
+def _check_args(draft_logits: torch.Tensor, root_token_ids: torch.Tensor, budget: int, max_topk: int | None) -> None:
+    if draft_logits.dim() != 3:
+        raise ValueError(f"draft_logits must be [R, D, V], got shape {tuple(draft_logits.shape)}")
+    if not draft_logits.is_floating_point():
+        raise ValueError(f"draft_logits must be float16/bfloat16/float32, got {draft_logits.dtype}")
+    num_req, depth, vocab = draft_logits.shape
+    if root_token_ids.shape != (num_req,):
+        raise ValueError(
+            f"root_token_ids must be [R] = [{num_req}] to match draft_logits {tuple(draft_logits.shape)}, "
+            f"got shape {tuple(root_token_ids.shape)}"
+        )
+    if depth < 1 or vocab < 1:
+        raise ValueError(f"draft_logits needs depth D >= 1 and vocab V >= 1, got shape {tuple(draft_logits.shape)}")
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1 draft node, got {budget}; set the tree budget to a positive integer")
+    available = max_tree_nodes(depth, vocab, max_topk, budget)
+    if budget > available:
+        raise ValueError(
+            f"budget={budget} exceeds the {available} distinct prefixes available with depth={depth}, "
+            f"vocab_size={vocab}, max_topk={max_topk}; lower the budget to <= {available} or raise max_topk/depth"
+        )
+
+
+def build_draft_tree(
+    draft_logits: torch.Tensor,
+    root_token_ids: torch.Tensor,
+    budget: int,
+    max_topk: int | None = None,
+) -> DraftTree:
+    """Best-`budget` draft tree per request from independent per-depth drafter logits.
+
+    Args:
+        draft_logits: [R, D, V] float16/bfloat16/float32; row d-1 is the drafter's logits for depth d.
+        root_token_ids: [R] integer; the last verified token (the tree's root), on the same device.
+        budget: number of draft nodes (the root excluded); N = budget + 1.
+        max_topk: optional cap on the tokens considered per depth.
+
+    Returns a `DraftTree` on draft_logits' device; see the module docstring for the node order.
+    No host-device synchronisation; the Python loop runs over depth only. Cost: two top-k passes over V
+    per depth (the second makes ties exact) and a transient float32 copy of the logits for the log-normaliser,
+    then about budget * ln(budget) candidates per depth. Requires V < 2^30.
+    """
+    _check_args(draft_logits, root_token_ids, budget, max_topk)
+    vocab = draft_logits.shape[2]
+    tok, lp = _top_tokens(draft_logits, _topk_k(vocab, max_topk, budget))  # [R, D, K]
+    slots = _flatten_beams(_depth_beams(lp, tok, budget), root_token_ids)
+    return _pick_nodes(slots, budget + 1)
