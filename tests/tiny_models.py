@@ -68,14 +68,29 @@ def make_tiny_dflash_drafter(
     num_layers: int = 1,
     vocab_size: int = TINY_VOCAB,
     seed: int = 1,
+    hidden_size: int = TINY_HIDDEN,
+    num_heads: int = TINY_HEADS,
+    num_kv_heads: int = TINY_KV_HEADS,
+    head_dim: int = TINY_HEAD_DIM,
+    target_layer_ids: list[int] | None = None,
 ) -> Path:
-    """A random DFlash drafter (no `model.` prefix; shares the target's embedding and LM head)."""
+    """A random DFlash drafter (no `model.` prefix; shares the target's embedding and LM head).
+
+    `hidden_size` must be the target's; the attention shape is the drafter's own."""
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists():
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     config = _qwen3_config(num_layers, vocab_size)
-    target_layer_ids = list(range(num_target_layers))
+    config.update(
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+    )
+    if target_layer_ids is None:
+        target_layer_ids = list(range(num_target_layers))
     config.update(
         architectures=["DFlashDraftModel"],
         block_size=block_size,
@@ -85,8 +100,8 @@ def make_tiny_dflash_drafter(
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
 
     gen = torch.Generator().manual_seed(seed)
-    h, inter = TINY_HIDDEN, 2 * TINY_HIDDEN
-    q_out, kv_out = TINY_HEADS * TINY_HEAD_DIM, TINY_KV_HEADS * TINY_HEAD_DIM
+    h, inter = hidden_size, 2 * hidden_size
+    q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * 0.1
@@ -106,8 +121,8 @@ def make_tiny_dflash_drafter(
                 p + "self_attn.k_proj.weight": rand(kv_out, h),
                 p + "self_attn.v_proj.weight": rand(kv_out, h),
                 p + "self_attn.o_proj.weight": rand(h, q_out),
-                p + "self_attn.q_norm.weight": torch.ones(TINY_HEAD_DIM),
-                p + "self_attn.k_norm.weight": torch.ones(TINY_HEAD_DIM),
+                p + "self_attn.q_norm.weight": torch.ones(head_dim),
+                p + "self_attn.k_norm.weight": torch.ones(head_dim),
                 p + "mlp.gate_proj.weight": rand(inter, h),
                 p + "mlp.up_proj.weight": rand(inter, h),
                 p + "mlp.down_proj.weight": rand(h, inter),
