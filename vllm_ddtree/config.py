@@ -143,4 +143,14 @@ def validate_models(ddtree: DDTreeConfig, target_hf_config: Any, drafter_hf_conf
             f"The drafter at {drafter_path!r} has vocab_size {drafter_hf_config.vocab_size}, but the target's is "
             f"{target_vocab}. DDTree needs a drafter over the target's vocabulary."
         )
-    return ddtree.depth_for(block_size)
+    depth = ddtree.depth_for(block_size)
+    from vllm_ddtree.tree import max_tree_nodes
+
+    available = max_tree_nodes(depth, drafter_hf_config.vocab_size, ddtree.max_topk, ddtree.budget)
+    if ddtree.budget > available:
+        raise ValueError(
+            f"num_speculative_tokens={ddtree.budget} is more nodes than a tree of depth {depth} with "
+            f"max_topk={ddtree.max_topk} can hold ({available}); lower num_speculative_tokens or raise max_topk / "
+            "max_depth."
+        )
+    return depth

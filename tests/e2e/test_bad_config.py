@@ -68,3 +68,9 @@ def test_unsupported_feature(target, tmp_path):
     drafter = drafter_with(tmp_path, lambda c: None)
     spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": 4, "disable_padded_drafter_batch": True}
     expect_error(target, spec, NotImplementedError, "disable_padded_drafter_batch")
+
+
+def test_budget_above_what_the_tree_can_hold(target, tmp_path):
+    drafter = drafter_with(tmp_path, lambda c: None)  # block size 4: depth 3
+    spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": 8, "max_topk": 1}
+    expect_error(target, spec, ValueError, r"num_speculative_tokens=8 is more nodes than a tree of depth 3")
