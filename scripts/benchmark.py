@@ -1,0 +1,192 @@
+"""Benchmark: no speculation vs vLLM's DFlash chain vs DDTree, side by side in one run.
+
+For each method one engine (same target, prompts and engine settings; CUDA graphs on unless --eager), then for
+each temperature and batch size: submit `batch` prompts at once, generate `--max-tokens` tokens each, and record
+output tokens/s, time per output token, acceptance length and acceptance per depth (from vLLM's spec-decode
+counters, differenced around the run). Writes JSON, a markdown table and PNG plots to --out.
+
+    python scripts/benchmark.py --target DIR --drafter DIR [--budgets 8 16 32] [--batch-sizes 1 4 16 64]
+        [--temperatures 0 1] [--max-tokens 128] [--load-format dummy] [--out bench-out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def methods(drafter: str | None, block_size: int, budgets: list[int]) -> list[tuple[str, dict | None]]:
+    out: list[tuple[str, dict | None]] = [("none", None)]
+    if drafter:
+        out.append(("dflash", {"method": "dflash", "model": drafter, "num_speculative_tokens": block_size - 1}))
+        for b in budgets:
+            out.append((f"ddtree-B{b}", {"method": "ddtree", "model": drafter, "num_speculative_tokens": b}))
+    return out
+
+
+def counters(llm) -> dict:
+    values = {}
+    for metric in llm.get_metrics():
+        if metric.name in SPEC_COUNTERS:
+            values[metric.name] = metric.value
+        elif metric.name == PER_POS:
+            values[metric.name] = list(metric.values)
+    return values
+
+
+def measure(llm, prompts, temperature: float, max_tokens: int, seed: int) -> dict:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=seed, detokenize=False)
+    before = counters(llm)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    after = counters(llm)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    drafts = after.get(SPEC_COUNTERS[0], 0) - before.get(SPEC_COUNTERS[0], 0)
+    accepted = after.get(SPEC_COUNTERS[1], 0) - before.get(SPEC_COUNTERS[1], 0)
+    per_pos = [a - b for a, b in zip(after.get(PER_POS, []), before.get(PER_POS, [0] * len(after.get(PER_POS, []))))]
+    return {
+        "output_tokens": tokens,
+        "seconds": seconds,
+        "output_tokens_per_s": tokens / seconds,
+        "ms_per_output_token": 1000 * seconds / max_tokens,  # per request: all run in lockstep
+        "acceptance_length": 1 + accepted / drafts if drafts else None,
+        "acceptance_per_depth": [round(x / drafts, 4) for x in per_pos] if drafts else None,
+    }
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = [
+        "| method | temperature | batch | tok/s | ms/token | acceptance length | speedup vs none |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    base = {(r["temperature"], r["batch"]): r["output_tokens_per_s"] for r in rows if r["method"] == "none"}
+    for r in rows:
+        speedup = r["output_tokens_per_s"] / base[(r["temperature"], r["batch"])]
+        acc = "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
+        lines.append(
+            f"| {r['method']} | {r['temperature']} | {r['batch']} | {r['output_tokens_per_s']:.1f} | "
+            f"{r['ms_per_output_token']:.2f} | {acc} | {speedup:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots")
+        return
+    for temperature in sorted({r["temperature"] for r in rows}):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for method in dict.fromkeys(r["method"] for r in rows):
+            sel = [r for r in rows if r["method"] == method and r["temperature"] == temperature]
+            batches = [r["batch"] for r in sel]
+            axes[0].plot(batches, [r["output_tokens_per_s"] for r in sel], marker="o", label=method)
+            if sel[0]["acceptance_length"] is not None:
+                axes[1].plot(batches, [r["acceptance_length"] for r in sel], marker="o", label=method)
+        axes[0].set(xscale="log", xlabel="batch size", ylabel="output tokens/s", title=f"throughput, T={temperature}")
+        axes[1].set(xscale="log", xlabel="batch size", ylabel="acceptance length", title="acceptance length")
+        for ax in axes:
+            ax.legend(fontsize=8)
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / f"throughput_T{temperature}.png", dpi=120)
+        plt.close(fig)
+
+
+def load_prompts(args, tokenizer) -> list:
+    n = max(args.batch_sizes)
+    if args.load_format == "dummy":  # random weights: random token ids will do
+        import random
+
+        from vllm.inputs import TokensPrompt
+
+        rng = random.Random(0)
+        return [TokensPrompt(prompt_token_ids=[rng.randrange(1000, 30000) for _ in range(128)]) for _ in range(n)]
+    if args.prompts_file:
+        texts = json.loads(Path(args.prompts_file).read_text())
+    else:
+        from vllm_ddtree.drafter.data import SOURCES, heldout_prompts
+
+        texts = [p.text for source in SOURCES for p in heldout_prompts(source, limit=n)]
+    texts = (texts * (n // len(texts) + 1))[:n]
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return [
+            tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+            for t in texts
+        ]
+    return texts
+
+
+def main() -> None:
+    from tqdm import tqdm
+    from vllm import LLM
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--drafter", default=None)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--load-format", default="auto", help="'dummy' for timing without weights")
+    parser.add_argument("--prompts-file", default=None, help="JSON list of prompt strings")
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs / torch.compile")
+    parser.add_argument("--methods", nargs="+", default=None, help="subset of method names to run")
+    parser.add_argument("--out", default="bench-out")
+    args = parser.parse_args()
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    block_size = json.loads((Path(args.drafter) / "config.json").read_text())["block_size"] if args.drafter else 0
+    plan = [m for m in methods(args.drafter, block_size, args.budgets) if not args.methods or m[0] in args.methods]
+    rows: list[dict] = []
+    prompts = None
+    progress = tqdm(total=len(plan) * len(args.temperatures) * len(args.batch_sizes), desc="benchmark")
+    for name, spec in plan:
+        start = time.perf_counter()
+        llm = LLM(
+            model=args.target, speculative_config=spec, dtype=args.dtype, max_model_len=args.max_model_len,
+            load_format=args.load_format, enforce_eager=args.eager, disable_log_stats=False,
+            max_num_seqs=max(args.batch_sizes), seed=0, skip_tokenizer_init=args.load_format == "dummy",
+        )
+        init_s = time.perf_counter() - start
+        if prompts is None:
+            prompts = load_prompts(args, llm.get_tokenizer() if args.load_format != "dummy" else None)
+        measure(llm, prompts[:2], 0.0, 8, seed=0)  # warm-up
+        for temperature in args.temperatures:
+            for batch in args.batch_sizes:
+                result = measure(llm, prompts[:batch], temperature, args.max_tokens, seed=1)
+                rows.append({"method": name, "temperature": temperature, "batch": batch, "init_s": init_s, **result})
+                progress.update()
+                progress.set_postfix(method=name, T=temperature, batch=batch,
+                                     tok_s=round(result["output_tokens_per_s"], 1))
+        del llm
+    progress.close()
+    table = markdown_table(rows)
+    print(table)
+    setup = {k: v for k, v in vars(args).items()}
+    (out / "results.json").write_text(json.dumps({"setup": setup, "rows": rows}, indent=2))
+    (out / "table.md").write_text(table + "\n")
+    plot(rows, out)
+
+
+if __name__ == "__main__":
+    main()
