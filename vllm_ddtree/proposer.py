@@ -36,6 +36,7 @@ class DDTreeProposer(DFlashProposer):
         # [num_reqs * depth, vocab] logits of the last drafter pass.
         self._draft_logits: torch.Tensor | None = None
         self.last_tree: DraftTree | None = None
+        self.timer = None  # set by the runner (profiling.StepTimer or a no-op)
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         # Keep the full per-position logits; the argmax chain returned here is not used.
@@ -50,11 +51,17 @@ class DDTreeProposer(DFlashProposer):
             super().propose(0, **kwargs)  # keeps the drafter's KV in sync
             self.last_tree = None
             return next_token_ids.new_empty((num_reqs, 0), dtype=torch.int64)
+        if self.timer is not None:
+            self.timer.mark("move_accepted_path")
         super().propose(self.depth, **kwargs)
+        if self.timer is not None:
+            self.timer.mark("draft")
         assert self._draft_logits is not None
         draft_logits = self._draft_logits.view(num_reqs, self.depth, -1)  # [R, D, V]
         self.last_tree = build_draft_tree(
             draft_logits, next_token_ids.to(torch.int64), budget=self.budget, max_topk=self.max_topk
         )
         self._draft_logits = None
+        if self.timer is not None:
+            self.timer.mark("tree_build")
         return self.last_tree.token_ids[:, 1:]  # [R, B]

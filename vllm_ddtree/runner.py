@@ -42,6 +42,8 @@ class DDTreeRunnerState:
     layers: dict = field(default_factory=dict)  # target attention layers by name
     layer_groups: dict[str, int] = field(default_factory=dict)  # KV cache group of each layer
     attention: TreeAttentionMetadataBuilder | None = None
+    kv_tables: dict = field(default_factory=dict)  # device address tables of the layers' caches (GPU)
+    timer: object = None  # profiling.StepTimer when VLLM_DDTREE_PROFILE is set, else a no-op
 
     @property
     def width(self) -> int:
@@ -65,7 +67,13 @@ def _hook(cls, name: str):
 
 
 def install_runner_hooks() -> None:
-    from vllm_ddtree.compat import GPUModelRunner, SamplerOutput, init_logger
+    from vllm_ddtree.compat import (
+        GPUModelRunner,
+        SamplerOutput,
+        disable_full_cuda_graphs,
+        init_logger,
+        prepare_inputs_outputs,
+    )
 
     if getattr(GPUModelRunner, "_ddtree_hooked", False):
         return
@@ -74,9 +82,11 @@ def install_runner_hooks() -> None:
 
     @_hook(GPUModelRunner, "__init__")
     def __init__(original, self, vllm_config, device, *args, **kwargs):
-        original(self, vllm_config, device, *args, **kwargs)
         spec = vllm_config.speculative_config
         settings = getattr(spec, ddtree_config.ATTRIBUTE, None) if spec is not None else None
+        if settings is not None:
+            disable_full_cuda_graphs(vllm_config.compilation_config, logger)
+        original(self, vllm_config, device, *args, **kwargs)
         self._ddtree = None
         if settings is None:
             return
@@ -92,7 +102,10 @@ def install_runner_hooks() -> None:
             depth=settings["depth"],
             max_topk=settings["max_topk"],
         )
+        from vllm_ddtree.profiling import step_timer
+
         self._ddtree = DDTreeRunnerState(budget=settings["budget"], depth=settings["depth"])
+        self._ddtree.timer = self.drafter.timer = step_timer(self.device)
         logger.info(
             "DDTree: node budget %d, tree depth %d, max top-k per depth %s",
             settings["budget"],
@@ -118,11 +131,14 @@ def install_runner_hooks() -> None:
 
     @_hook(GPUModelRunner, "_prepare_inputs")
     def _prepare_inputs(original, self, scheduler_output, num_scheduled_tokens):
-        result = original(self, scheduler_output, num_scheduled_tokens)
         state = self._ddtree
         if state is None:
-            return result
-        logits_indices, spec_decode_metadata, _ = result
+            return original(self, scheduler_output, num_scheduled_tokens)
+        state.timer.end_step()
+        state.timer.mark("start")
+        result = original(self, scheduler_output, num_scheduled_tokens)
+        state.timer.mark("vllm_prepare_inputs")
+        logits_indices, spec_decode_metadata = prepare_inputs_outputs(result)
         state.step = state.walk = state.moves = None
         if spec_decode_metadata is not None:
             prev_rows = [state.prev_rows.get(req_id, -1) for req_id in self.input_batch.req_ids]
@@ -135,14 +151,19 @@ def install_runner_hooks() -> None:
                 state.width,
             )
             tree_positions_(self.positions, state.step)
+        state.timer.mark("tree_layout")
         return result
 
     @_hook(GPUModelRunner, "_build_attention_metadata")
     def _build_attention_metadata(original, self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
         state = self._ddtree
+        if state is not None:
+            state.timer.mark("vllm_other")
+        result = original(self, *args, **kwargs)
         if state is not None and state.step is not None and state.attention is not None:
+            state.timer.mark("vllm_attention_metadata")
             state.attention.attach(state.step, result[0])
+            state.timer.mark("tree_attention_metadata")
         return result
 
     @_hook(GPUModelRunner, "_sample")
@@ -152,6 +173,7 @@ def install_runner_hooks() -> None:
             return original(self, logits, spec_decode_metadata)
         from vllm_ddtree.verify.sampling import node_choices
 
+        state.timer.mark("verify_forward")
         sampling_metadata = self.input_batch.sampling_metadata
         self.input_batch.update_async_output_token_ids()
         step = state.step
@@ -159,7 +181,16 @@ def install_runner_hooks() -> None:
         choices = node_choices(logits, step, sampling_metadata, tokens)  # [rows]
         state.walk = walk_step(step, choices, tokens, state.depth)
         state.moves = accepted_path_moves(step, state.walk)
-        compact_accepted_kv_(state.layers, *state.moves, slot_mapping_of(self), state.layer_groups)
+        state.timer.mark("walk")
+        compact_accepted_kv_(
+            state.layers,
+            *state.moves,
+            slot_mapping_of(self),
+            state.layer_groups,
+            num_reqs=step.parents.shape[0],
+            tables=state.kv_tables,
+        )
+        state.timer.mark("kv_compaction")
         output = sampled_token_ids(state.walk, state.width).to(torch.int32)
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=None)
 
@@ -178,6 +209,8 @@ def install_runner_hooks() -> None:
         slot_mappings,
     ):
         state = self._ddtree
+        if state is not None:
+            state.timer.mark("vllm_sampler_output")
         if state is not None and state.moves is not None:
             src, dst = state.moves
             for tensor in [self.input_ids.gpu, hidden_states, *(aux_hidden_states or [])]:
@@ -196,6 +229,7 @@ def install_runner_hooks() -> None:
             slot_mappings,
         )
         if state is not None:
+            state.timer.mark("draft_other")
             tree = self.drafter.last_tree
             state.prev_parents = None if tree is None else tree.parents
             state.prev_depths = None if tree is None else tree.depths

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 from dataclasses import dataclass, field
 
 SPEC_METRICS = (
@@ -26,6 +27,18 @@ class RunResult:
         return 1.0 + accepted / drafts if drafts else 1.0
 
 
+def device_kwargs() -> dict:
+    """Engine settings per machine. CPU: eager. CUDA: vLLM's default CUDA graphs (a short list of capture sizes to
+    keep engine start short), unless DDTREE_E2E_EAGER=1 asks for eager mode."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return dict(enforce_eager=True)
+    if os.environ.get("DDTREE_E2E_EAGER") == "1":
+        return dict(enforce_eager=True)
+    return dict(enforce_eager=False, compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256]})
+
+
 def make_llm(target: str, spec: dict | None, **engine_kwargs):
     from vllm import LLM
 
@@ -34,12 +47,12 @@ def make_llm(target: str, spec: dict | None, **engine_kwargs):
         skip_tokenizer_init=True,
         dtype="float32",
         max_model_len=512,
-        enforce_eager=True,
         distributed_executor_backend="uni",
         kv_cache_memory_bytes=64 * 2**20,
         disable_log_stats=False,
         seed=0,
     )
+    kwargs.update(device_kwargs())
     kwargs.update(engine_kwargs)
     return LLM(speculative_config=spec, **kwargs)
 
@@ -73,3 +86,7 @@ def close(llm) -> None:
         engine_core.shutdown()
     del llm
     gc.collect()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_ddtree.tree import ancestor_mask
-from vllm_ddtree.verify.step import TreeStep
+from vllm_ddtree.verify.step import TreeStep, to_device
 
 ATTRIBUTE = "ddtree"
 
@@ -26,6 +26,11 @@ class TreeAttentionMetadata:
     seq_lens: torch.Tensor  # [T] int64, context + nodes
     block_table: torch.Tensor  # [T, max_blocks] int32
     node_mask: torch.Tensor  # [T, N, N] bool, node i may attend node j (j is i or an ancestor of i)
+    num_nodes: torch.Tensor  # [T] int64, device copy of num_nodes_cpu
+    max_seq_len: int  # host upper bound of seq_lens (sizes the GPU kernel's context splits)
+    # Every scheduled request is a tree request: a GPU backend that writes the KV cache outside its forward
+    # may skip its own (causal) attention, since every row is recomputed.
+    covers_all_tokens: bool = False
 
     @property
     def num_tree_reqs(self) -> int:
@@ -42,14 +47,22 @@ class TreeAttentionMetadataBuilder:
         if step.tree_reqs_cpu.size == 0:
             return None
         device = step.parents.device
-        tree_reqs = torch.from_numpy(step.tree_reqs_cpu).to(device)
+        all_trees = step.tree_reqs_cpu.size == step.num_nodes_cpu.size
+        tree_reqs = step.tree_reqs if step.tree_reqs is not None else to_device(step.tree_reqs_cpu, device)
+        seq_lens = backend_metadata.seq_lens[tree_reqs].to(torch.int64)
+        max_seq_len = getattr(backend_metadata, "max_seq_len", None)
+        if max_seq_len is None:  # backends without a host copy (CPU): one sync per step
+            max_seq_len = int(seq_lens.max())
         return TreeAttentionMetadata(
             tree_reqs=tree_reqs,
             num_nodes_cpu=step.num_nodes_cpu[step.tree_reqs_cpu].tolist(),
             query_start=backend_metadata.query_start_loc[tree_reqs].to(torch.int64),
-            seq_lens=backend_metadata.seq_lens[tree_reqs].to(torch.int64),
+            seq_lens=seq_lens,
             block_table=backend_metadata.block_table[tree_reqs],
             node_mask=ancestor_mask(step.parents[tree_reqs]),
+            num_nodes=step.num_nodes[tree_reqs],
+            max_seq_len=int(max_seq_len),
+            covers_all_tokens=all_trees,
         )
 
     def attach(self, step: TreeStep, attn_metadata) -> None:

@@ -1,5 +1,9 @@
 """KV compaction: after the walk, the accepted path's keys and values move into the slots right after the root,
-in every target layer, so the cache looks as if the path had been decoded one token at a time."""
+in every target layer, so the cache looks as if the path had been decoded one token at a time.
+
+On CUDA all layers of a KV cache group move in one Triton launch (`triton_compact.py`); elsewhere (the CPU
+build) each layer is a gather then a scatter in torch.
+"""
 
 from __future__ import annotations
 
@@ -14,14 +18,43 @@ def slot_mapping_of(runner) -> dict[int, torch.Tensor]:
     return {gid: block_tables[gid].slot_mapping.gpu for gid in range(len(runner.kv_cache_config.kv_cache_groups))}
 
 
+def _cache_ptrs(layers: list[torch.nn.Module]) -> tuple[int, ...]:
+    caches = [layer.kv_cache[0] if isinstance(layer.kv_cache, (list, tuple)) else layer.kv_cache for layer in layers]
+    return tuple(cache.data_ptr() for cache in caches)
+
+
+def _layer_table(layers: list[torch.nn.Module], tables: dict):
+    """The cached device table of these layers' cache addresses (rebuilt if the caches were reallocated)."""
+    from vllm_ddtree.kv.triton_compact import LayerTable
+
+    key, ptrs = tuple(id(layer) for layer in layers), _cache_ptrs(layers)
+    cached = tables.get(key)
+    if cached is None or cached[0] != ptrs:
+        views = [paged_kv_for(layer.impl, layer.kv_cache) for layer in layers]
+        cached = tables[key] = (ptrs, LayerTable([v.keys for v in views], [v.values for v in views]))
+    return cached[1]
+
+
 def compact_accepted_kv_(
     layers: dict[str, torch.nn.Module],
-    src: torch.Tensor,  # [M] scheduled-token index whose KV moves
-    dst: torch.Tensor,  # [M] scheduled-token index it moves to
+    src: torch.Tensor,  # [R * M] scheduled-token index whose KV moves (request-major, M moves per request)
+    dst: torch.Tensor,  # [R * M] scheduled-token index it moves to
     slot_mappings: dict[int, torch.Tensor],  # gid -> [num_tokens] slot per scheduled token
     layer_groups: dict[str, int] | None = None,
+    num_reqs: int | None = None,
+    tables: dict | None = None,
 ) -> None:
+    groups: dict[int, list[torch.nn.Module]] = {}
     for name, layer in layers.items():
-        gid = 0 if layer_groups is None else layer_groups[name]
+        groups.setdefault(0 if layer_groups is None else layer_groups[name], []).append(layer)
+    for gid, group in groups.items():
         slots = slot_mappings[gid].to(torch.int64)
-        paged_kv_for(layer.impl, layer.kv_cache).copy_slots(slots[src], slots[dst])
+        src_slots, dst_slots = slots[src], slots[dst]
+        if src.is_cuda and num_reqs and tables is not None:
+            from vllm_ddtree.kv.triton_compact import compact_kv_triton_
+
+            table = _layer_table(group, tables)
+            compact_kv_triton_(table, src_slots.view(num_reqs, -1), dst_slots.view(num_reqs, -1))
+            continue
+        for layer in group:
+            paged_kv_for(layer.impl, layer.kv_cache).copy_slots(src_slots, dst_slots)

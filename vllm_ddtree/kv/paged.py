@@ -17,6 +17,7 @@ class PagedKV:
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, block_size: int, cpu_layout: bool):
         self.keys = keys  # CPU layout: [num_blocks, H, head_size, block_size]; else [num_blocks, block_size, H, D]
+        # (GPU layouts: views whose last dim is contiguous, as the Triton kernels need)
         self.values = values  # CPU layout: [num_blocks, H, block_size, head_size]; else [num_blocks, block_size, H, D]
         self.block_size = block_size
         self._cpu_layout = cpu_layout
@@ -31,6 +32,13 @@ class PagedKV:
         keys = flat[:, :, 0].view(num_blocks, num_heads, head_size, block_size)
         values = flat[:, :, 1].view(num_blocks, num_heads, block_size, head_size)
         return cls(keys, values, block_size, cpu_layout=True)
+
+    @classmethod
+    def for_packed(cls, kv_cache: torch.Tensor, head_size: int) -> "PagedKV":
+        """vLLM 0.26's GPU caches (FLASH_ATTN, FLASHINFER, TRITON_ATTN, FLEX_ATTENTION): logical
+        [num_blocks, H, block_size, 2 * head_size], keys then values in the last dim, any stride order."""
+        nhd = kv_cache.transpose(1, 2)  # [num_blocks, block_size, H, 2 * D]
+        return cls(nhd[..., :head_size], nhd[..., head_size:], kv_cache.shape[2], cpu_layout=False)
 
     @classmethod
     def for_nhd(cls, kv_cache: torch.Tensor) -> "PagedKV":
@@ -64,6 +72,8 @@ def paged_kv_for(impl, kv_cache: torch.Tensor) -> PagedKV:
         return PagedKV.for_cpu_attention(kv_cache)
     if kv_cache.dim() == 5 and kv_cache.shape[0] == 2:
         return PagedKV.for_nhd(kv_cache)
+    if kv_cache.dim() == 4 and kv_cache.shape[-1] == 2 * impl.head_size:
+        return PagedKV.for_packed(kv_cache, impl.head_size)
     raise NotImplementedError(
         f"DDTree does not know the KV cache layout of {type(impl).__name__} (shape {tuple(kv_cache.shape)}); "
         "use the FLASH_ATTN or FLASHINFER backend on GPU, or CPU_ATTN on CPU."

@@ -23,10 +23,19 @@ class TreeStep:
     node_token_index: torch.Tensor  # [R, N] int64, index of each node among the step's scheduled tokens
     num_nodes_cpu: np.ndarray  # [R] host copy of num_nodes
     tree_reqs_cpu: np.ndarray  # [T] requests with at least one draft node
+    tree_reqs: torch.Tensor | None = None  # [T] int64 device copy of tree_reqs_cpu
 
     @property
     def width(self) -> int:
         return self.parents.shape[1]
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host array -> device tensor without a device sync (pinned staging buffer, non-blocking copy on CUDA)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def padded_node_index(num_nodes_cpu: np.ndarray, width: int) -> np.ndarray:
@@ -48,27 +57,32 @@ def build_tree_step(
     num_reqs = num_nodes_cpu.shape[0]
     node_cpu = padded_node_index(num_nodes_cpu, width)  # [R, N]
     row_start = np.cumsum(num_nodes_cpu) - num_nodes_cpu
-    node_rows = torch.from_numpy(row_start[:, None] + node_cpu).to(device)
+    tree_reqs_cpu = np.flatnonzero(num_nodes_cpu > 1)
+    prev_cpu = np.asarray(prev_rows, dtype=np.int64)[tree_reqs_cpu]
+    # One host-to-device upload for every host-side index of the step: [R | R*N | R*N | T | T].
+    packed = to_device(np.concatenate([num_nodes_cpu, (row_start[:, None] + node_cpu).ravel(), node_cpu.ravel(),
+                                       tree_reqs_cpu, prev_cpu]), device)
+    sizes = [num_reqs, num_reqs * width, num_reqs * width, tree_reqs_cpu.size, tree_reqs_cpu.size]
+    num_nodes, node_rows, node, tree_reqs, prev = torch.split(packed, sizes)
+    node_rows = node_rows.view(num_reqs, width)
+    node = node.view(num_reqs, width)
 
     parents = torch.full((num_reqs, width), -1, dtype=torch.int64, device=device)
     depths = torch.zeros((num_reqs, width), dtype=torch.int64, device=device)
-    tree_reqs_cpu = np.flatnonzero(num_nodes_cpu > 1)
     if tree_reqs_cpu.size:
         assert prev_parents is not None and prev_depths is not None
-        rows = torch.from_numpy(np.asarray(prev_rows, dtype=np.int64)[tree_reqs_cpu]).to(device)
-        dst = torch.from_numpy(tree_reqs_cpu).to(device)
-        parents[dst] = prev_parents[rows]
-        depths[dst] = prev_depths[rows]
-    node = torch.from_numpy(node_cpu).to(device)
+        parents[tree_reqs] = prev_parents[prev]
+        depths[tree_reqs] = prev_depths[prev]
     depths = depths.gather(1, node)
     return TreeStep(
-        num_nodes=torch.from_numpy(num_nodes_cpu).to(device),
+        num_nodes=num_nodes,
         parents=parents,
         depths=depths,
         node_rows=node_rows,
         node_token_index=logits_indices.to(torch.int64)[node_rows],
         num_nodes_cpu=num_nodes_cpu,
         tree_reqs_cpu=tree_reqs_cpu,
+        tree_reqs=tree_reqs,
     )
 
 

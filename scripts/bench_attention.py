@@ -1,0 +1,180 @@
+"""Kernel timings on the GPU: tree attention vs FlashAttention-3, and KV compaction (Triton vs per-layer torch).
+
+Qwen3-8B attention shape (32 query heads, 8 KV heads, head dim 128, bf16, page 16), tree budget B (N = B + 1
+query rows per request). For each (batch, context):
+  tree      our Triton tree attention (context + tree, ancestor mask), the kernel the plugin runs
+  fa3       FlashAttention-3 causal attention of the same N rows per request over the same paged cache
+            (what vLLM's backend runs for a chain verification step of N tokens)
+  fa3_ctx   FA3 over the context only, non-causal, returning the LSE: part (a) of a split design
+  tree_only our kernel on the tree keys alone (context 0): an upper bound of part (b) of a split design
+Every variant rotates over enough caches that the working set exceeds the L2. Times are medians of
+`triton.testing.do_bench`. Writes JSON to --out and prints a table.
+
+    python scripts/bench_attention.py --out /tmp/attn.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.gpu.cases import make_case  # noqa: E402
+from vllm_ddtree.attention.triton_tree import tree_attention_triton_  # noqa: E402
+
+L2_BYTES = 60 * 2**20
+
+
+def _rotating(cases, fn):
+    state = {"i": 0}
+
+    def call():
+        case = cases[state["i"] % len(cases)]
+        state["i"] += 1
+        fn(case)
+
+    return call
+
+
+def _tree(case, out):
+    t = case.tree
+    tree_attention_triton_(
+        case.query, case.kv.keys, case.kv.values, t.block_table, t.query_start, t.seq_lens, t.num_nodes,
+        t.node_mask, t.max_seq_len, case.scale, out,
+    )  # fmt: skip
+
+
+def _fa3_inputs(case, context_only: bool):
+    t = case.tree
+    num_trees, width = t.node_mask.shape[0], t.node_mask.shape[1]
+    rows = torch.cat([torch.arange(int(s), int(s) + width, device="cuda") for s in t.query_start.tolist()])
+    q = case.query[rows].contiguous()  # [T * N, Hq, D]
+    cu_q = torch.arange(0, (num_trees + 1) * width, width, device="cuda", dtype=torch.int32)
+    seqused = (t.seq_lens - (t.num_nodes if context_only else 0)).to(torch.int32)
+    return q, cu_q, seqused, width
+
+
+def _fa3(flash_attn_varlen_func, case, inputs, causal: bool, lse: bool):
+    q, cu_q, seqused, width = inputs
+    return flash_attn_varlen_func(
+        q, case.kv.keys, case.kv.values, max_seqlen_q=width, cu_seqlens_q=cu_q, max_seqlen_k=case.tree.max_seq_len,
+        seqused_k=seqused, causal=causal, block_table=case.tree.block_table, softmax_scale=case.scale,
+        return_softmax_lse=lse, fa_version=3,
+    )  # fmt: skip
+
+
+def bench_attention(batches, contexts, budget, rep_ms):
+    from vllm_ddtree.compat import flash_attn_varlen
+
+    fa = flash_attn_varlen()
+    rows = []
+    for batch in batches:
+        for ctx in contexts:
+            kv_bytes = batch * (ctx + budget + 1) * 8 * 128 * 2 * 2
+            copies = max(2, min(8, -(-3 * L2_BYTES // kv_bytes)))
+            cases = [make_case(batch, budget, ctx, 32, 8, 128, torch.bfloat16, "cuda", seed=s, full_trees=True,
+                               filler_rows=0) for s in range(copies)]  # fmt: skip
+            tree_only = [make_case(batch, budget, 0, 32, 8, 128, torch.bfloat16, "cuda", seed=s, full_trees=True,
+                                   filler_rows=0) for s in range(copies)]  # fmt: skip
+            out = torch.empty_like(cases[0].query)
+            out0 = torch.empty_like(tree_only[0].query)
+            fa_in = {id(c): _fa3_inputs(c, False) for c in cases}
+            fa_ctx_in = {id(c): _fa3_inputs(c, True) for c in cases}
+            times = {
+                "tree": triton.testing.do_bench(_rotating(cases, lambda c: _tree(c, out)), rep=rep_ms,
+                                                return_mode="median"),
+                "fa3": triton.testing.do_bench(_rotating(cases, lambda c: _fa3(fa, c, fa_in[id(c)], True, False)),
+                                               rep=rep_ms, return_mode="median"),
+                "fa3_ctx": triton.testing.do_bench(
+                    _rotating(cases, lambda c: _fa3(fa, c, fa_ctx_in[id(c)], False, True)), rep=rep_ms,
+                    return_mode="median"),
+                "tree_only": triton.testing.do_bench(_rotating(tree_only, lambda c: _tree(c, out0)), rep=rep_ms,
+                                                     return_mode="median"),
+            }  # fmt: skip
+            # Same function check on one case: our kernel vs FA3 causal differ only in the mask of tree rows, so
+            # compare on a chain tree, where the ancestor mask is the causal mask.
+            row = {"batch": batch, "context": ctx, "budget": budget, "kv_MB": kv_bytes / 2**20, **times}
+            row["tree_vs_fa3"] = times["fa3"] / times["tree"]
+            row["split_estimate"] = times["fa3_ctx"] + times["tree_only"]
+            row["tree_GBps"] = kv_bytes / times["tree"] / 1e6
+            rows.append(row)
+            print(f"attn b={batch:3d} ctx={ctx:5d}: tree {times['tree'] * 1e3:8.1f} us  fa3 {times['fa3'] * 1e3:8.1f}"
+                  f"  fa3_ctx {times['fa3_ctx'] * 1e3:8.1f}  tree_only {times['tree_only'] * 1e3:7.1f}"
+                  f"  ratio fa3/tree {row['tree_vs_fa3']:.2f}", flush=True)  # fmt: skip
+            del cases, tree_only
+    return rows
+
+
+def chain_check(budget: int = 15) -> float:
+    """Our kernel on chain trees equals FA3 causal attention (relative error)."""
+    from vllm_ddtree.compat import flash_attn_varlen
+
+    case = make_case(4, budget, 3000, 32, 8, 128, torch.bfloat16, "cuda", seed=5, full_trees=True, filler_rows=0)
+    chain = torch.tril(torch.ones(budget + 1, budget + 1, dtype=torch.bool, device="cuda"))
+    case.tree.node_mask = chain.expand(4, -1, -1).contiguous()
+    out = torch.full_like(case.query, float("nan"))
+    _tree(case, out)
+    ref = _fa3(flash_attn_varlen(), case, _fa3_inputs(case, False), True, False)
+    got = out[: ref.shape[0]]
+    return float((got.float() - ref.float()).norm() / ref.float().norm())
+
+
+def bench_compaction(batches, moves, rep_ms):
+    from vllm_ddtree.kv.paged import PagedKV
+    from vllm_ddtree.kv.triton_compact import LayerTable, compact_kv_triton_
+
+    rows = []
+    num_layers, page, heads, hd = 36, 16, 8, 128
+    for batch in batches:
+        num_blocks = batch * 8 + 4
+        caches = [torch.randn((num_blocks, page, heads, 2 * hd), device="cuda").to(torch.bfloat16).permute(0, 2, 1, 3)
+                  for _ in range(num_layers)]  # fmt: skip
+        views = [PagedKV.for_packed(c, hd) for c in caches]
+        table = LayerTable([v.keys for v in views], [v.values for v in views])
+        slots = torch.arange(batch * 8 * page, device="cuda").view(batch, -1)[:, : moves + 1]
+        dst = slots[:, 1:].contiguous()
+        src = torch.flip(dst, dims=[1]).contiguous()  # far moves (worst case: every move copies)
+        src = torch.maximum(src, dst)
+        t_triton = triton.testing.do_bench(lambda: compact_kv_triton_(table, src, dst), rep=rep_ms,
+                                           return_mode="median")  # fmt: skip
+
+        def torch_loop():
+            for v in views:
+                v.copy_slots(src.flatten(), dst.flatten())
+
+        t_torch = triton.testing.do_bench(torch_loop, rep=rep_ms, return_mode="median")
+        rows.append({"batch": batch, "moves": moves, "layers": num_layers, "triton_ms": t_triton, "torch_ms": t_torch})
+        print(f"compact b={batch:3d} M={moves}: triton {t_triton * 1e3:7.1f} us  torch loop {t_torch * 1e3:7.1f} us",
+              flush=True)  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="bench_attention.json")
+    parser.add_argument("--budget", type=int, default=15)
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--contexts", default="1024,4096,8192")
+    parser.add_argument("--rep-ms", type=int, default=60)
+    args = parser.parse_args()
+    batches = [int(x) for x in args.batches.split(",")]
+    contexts = [int(x) for x in args.contexts.split(",")]
+    result = {"device": torch.cuda.get_device_name(), "chain_check_rel_err": chain_check(args.budget)}
+    print("chain check (tree kernel on chain trees vs FA3 causal), relative error:", result["chain_check_rel_err"])
+    result["attention"] = bench_attention(batches, contexts, args.budget, args.rep_ms)
+    result["compaction"] = bench_compaction(batches, args.budget, args.rep_ms)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"\n{'batch':>5} {'ctx':>5} {'tree us':>8} {'fa3 us':>8} {'fa3/tree':>8} {'split est':>9} {'GB/s':>6}")
+    for r in result["attention"]:
+        print(f"{r['batch']:5d} {r['context']:5d} {r['tree'] * 1e3:8.1f} {r['fa3'] * 1e3:8.1f} {r['tree_vs_fa3']:8.2f} "
+              f"{r['split_estimate'] * 1e3:9.1f} {r['tree_GBps']:6.0f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

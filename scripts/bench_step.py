@@ -1,0 +1,177 @@
+"""Per-step decode time at Qwen3-8B shape (dummy weights): no speculation vs in-tree DFlash vs DDTree.
+
+One engine per method (engine start dominates: ~1-3 min each at this size), reused for every batch size. With
+dummy weights acceptance is ~0, so every step is one draft + one verification of B + 1 tokens per request: the
+cost the method adds per step. Per-step time = (time to generate 1 + S tokens - time to generate 1 token) / steps,
+steps counted from vLLM's spec-decode metrics (S for no speculation). For DDTree a second, profiled pass
+(VLLM_DDTREE_PROFILE, one sync per step) gives the per-phase breakdown.
+
+    python scripts/bench_step.py --methods none,dflash --out /tmp/step.json
+    python scripts/bench_step.py --methods ddtree --out /tmp/step.json   # merges into the same file
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the profiler switch is an env var
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
+    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "hidden_act": "silu", "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "vocab_size": 151936, "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
+    "torch_dtype": "bfloat16", "attention_bias": False,
+}  # fmt: skip
+DRAFTER_LAYERS = 5
+DRAFT_BLOCK = 16
+
+
+def write_models(root: Path) -> tuple[str, str]:
+    target, drafter = root / "qwen3-8b-shape", root / "dflash-qwen3-8b-shape"
+    for folder, config in (
+        (target, QWEN3_8B),
+        (drafter, {
+            **QWEN3_8B, "architectures": ["DFlashDraftModel"], "num_hidden_layers": DRAFTER_LAYERS,
+            "block_size": DRAFT_BLOCK, "num_target_layers": 36,
+            "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
+        }),
+    ):  # fmt: skip
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return str(target), str(drafter)
+
+
+def spec_for(method: str, drafter: str, budget: int):
+    if method == "none":
+        return None
+    return {"method": method, "model": drafter, "num_speculative_tokens": budget}
+
+
+def num_drafts(llm) -> int:
+    for metric in llm.get_metrics():
+        if metric.name == "vllm:spec_decode_num_drafts":
+            return int(getattr(metric, "value", 0))
+    return 0
+
+
+def timed_generate(llm, prompts, max_tokens: int) -> tuple[float, int]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    drafts = num_drafts(llm)
+    start = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - start, num_drafts(llm) - drafts
+
+
+def measure(llm, method: str, batch: int, prompt_len: int, steps: int, repeats: int) -> dict:
+    import random
+
+    rng = random.Random(batch)
+    per_step = []
+    for r in range(repeats + 1):  # the first round warms up this batch size
+        prompts = [[rng.randrange(100, 150000) for _ in range(prompt_len)] for _ in range(batch)]
+        t_prefill, _ = timed_generate(llm, prompts, 1)
+        prompts = [[rng.randrange(100, 150000) for _ in range(prompt_len)] for _ in range(batch)]
+        t_all, drafts = timed_generate(llm, prompts, 1 + steps)
+        num_steps = steps if method == "none" else max(drafts / batch, 1)
+        if r:
+            per_step.append((t_all - t_prefill) / num_steps * 1e3)
+    return {
+        "method": method, "batch": batch, "prompt_len": prompt_len, "decode_tokens": steps,
+        "step_ms_median": statistics.median(per_step), "step_ms_all": per_step,
+        "steps_per_run": num_steps, "accepted_per_step": steps / num_steps - 1,
+    }  # fmt: skip
+
+
+def profile_pass(llm, batch: int, prompt_len: int, steps: int, path: Path) -> dict:
+    os.environ["VLLM_DDTREE_PROFILE"] = str(path)
+    try:
+        timed_generate(llm, [[7 + i] * prompt_len for i in range(batch)], 1 + steps)
+    finally:
+        del os.environ["VLLM_DDTREE_PROFILE"]
+        timed_generate(llm, [[5] * 8], 2)  # a step with the switch off flushes the profile file
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def run_method(method: str, target: str, drafter: str, args) -> list[dict]:
+    from vllm import LLM
+
+    start = time.perf_counter()
+    llm = LLM(
+        model=target, speculative_config=spec_for(method, drafter, args.budget), load_format="dummy",
+        dtype="bfloat16", skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=max(args.batches),
+        gpu_memory_utilization=0.8, disable_log_stats=False, seed=0,
+        compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512})},
+    )  # fmt: skip
+    init_s = time.perf_counter() - start
+    print(f"[{method}] engine init {init_s:.0f} s", flush=True)
+    rows = []
+    for batch in args.batches:
+        row = measure(llm, method, batch, args.prompt_len, args.steps, args.repeats)
+        row["engine_init_s"] = init_s
+        if method == "ddtree":
+            row["profile"] = profile_pass(llm, batch, args.prompt_len, args.steps, Path(args.out).with_suffix(
+                f".profile{batch}.json"))  # fmt: skip
+        print(f"[{method}] batch {batch}: {row['step_ms_median']:.2f} ms/step", flush=True)
+        rows.append(row)
+    engine_core = getattr(llm.llm_engine, "engine_core", None)
+    if engine_core is not None and hasattr(engine_core, "shutdown"):
+        engine_core.shutdown()
+    del llm
+    gc.collect()
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    by = {(r["method"], r["batch"]): r for r in rows}
+    batches = sorted({r["batch"] for r in rows})
+    print(f"\n{'batch':>5} {'none ms':>8} {'dflash ms':>9} {'ddtree ms':>9} {'ddtree/dflash':>13}")
+    for b in batches:
+        vals = [by.get((m, b), {}).get("step_ms_median") for m in ("none", "dflash", "ddtree")]
+        ratio = vals[2] / vals[1] if vals[1] and vals[2] else None
+        cells = [f"{v:.2f}" if v else "-" for v in vals]
+        print(f"{b:5d} {cells[0]:>8} {cells[1]:>9} {cells[2]:>9} {(f'{ratio:.3f}' if ratio else '-'):>13}")
+    for r in rows:
+        prof = r.get("profile", {}).get("gpu_ms")
+        if prof:
+            phases = ", ".join(f"{k} {v:.3f}" for k, v in prof.items())
+            print(f"ddtree batch {r['batch']} GPU ms per phase: {phases}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--methods", default="none,dflash,ddtree")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--budget", type=int, default=15)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--models-dir", default="/tmp/bench-models")
+    parser.add_argument("--out", default="bench_step.json")
+    args = parser.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    target, drafter = write_models(Path(args.models_dir))
+    out = Path(args.out)
+    result = json.loads(out.read_text()) if out.exists() else {"rows": []}
+    for method in args.methods.split(","):
+        rows = run_method(method, target, drafter, args)
+        result["rows"] = [r for r in result["rows"] if r["method"] != method] + rows
+        out.write_text(json.dumps(result, indent=1))
+    print_table(result["rows"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Random tree-verification attention problems over a paged KV cache in vLLM 0.26's GPU layout.
+
+Shared by the GPU tests and `scripts/bench_attention.py`. The batch interleaves tree requests with non-tree rows
+(a short prefill chunk before every tree), block tables are random permutations, and node counts, context lengths
+and parents are random, so kernels are checked on layouts they were not tuned for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_ddtree.attention.metadata import TreeAttentionMetadata
+from vllm_ddtree.kv.paged import PagedKV
+from vllm_ddtree.tree import ancestor_mask
+
+
+@dataclass
+class TreeCase:
+    query: torch.Tensor  # [num_tokens, Hq, D]
+    kv_cache: torch.Tensor  # logical [num_blocks, Hkv, page, 2 * D], physical [num_blocks, page, Hkv, 2 * D]
+    kv: PagedKV
+    tree: TreeAttentionMetadata
+    tree_rows: torch.Tensor  # [num_tokens] bool, rows the kernel must write
+    scale: float
+
+
+def random_parents(num_nodes: int, width: int, gen: torch.Generator) -> torch.Tensor:
+    """[width] parents of a random tree with `num_nodes` valid nodes in topological order; padding -> root."""
+    parents = torch.full((width,), 0, dtype=torch.int64)
+    parents[0] = -1
+    for i in range(1, num_nodes):
+        # Mix deep chains and wide fans: half the nodes hang off the previous node.
+        parents[i] = i - 1 if torch.rand((), generator=gen) < 0.5 else torch.randint(0, i, (), generator=gen)
+    return parents
+
+
+def make_case(
+    num_trees: int,
+    budget: int,
+    max_context: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str,
+    page: int = 16,
+    seed: int = 0,
+    full_trees: bool = False,
+    filler_rows: int = 3,
+) -> TreeCase:
+    gen = torch.Generator().manual_seed(seed)
+    width = budget + 1
+    if full_trees:
+        num_nodes = torch.full((num_trees,), width, dtype=torch.int64)
+        context = torch.full((num_trees,), max_context, dtype=torch.int64)
+    else:
+        num_nodes = torch.randint(1, width + 1, (num_trees,), generator=gen)
+        num_nodes[0] = width
+        context = torch.randint(0, max_context + 1, (num_trees,), generator=gen)
+        context[-1] = max_context
+    seq_lens = context + num_nodes
+    filler = filler_rows if filler_rows else 0
+    query_start = torch.cumsum(num_nodes + filler, 0) - num_nodes  # each tree after `filler` other rows
+    num_tokens = int(query_start[-1] + num_nodes[-1]) + 2
+    tree_rows = torch.zeros(num_tokens, dtype=torch.bool)
+    for t in range(num_trees):
+        tree_rows[int(query_start[t]) : int(query_start[t] + num_nodes[t])] = True
+
+    blocks_per_tree = (seq_lens + page - 1) // page
+    max_blocks = int(blocks_per_tree.max())
+    num_blocks = int(blocks_per_tree.sum()) + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    block_table = torch.zeros((num_trees, max_blocks), dtype=torch.int32)
+    used = 0
+    for t in range(num_trees):
+        n = int(blocks_per_tree[t])
+        block_table[t, :n] = perm[used : used + n].to(torch.int32)
+        used += n
+
+    device_gen = torch.Generator(device=device).manual_seed(seed)
+    physical = torch.randn((num_blocks, page, num_kv_heads, 2 * head_dim), generator=device_gen, device=device)
+    kv_cache = physical.to(dtype).permute(0, 2, 1, 3)  # logical [num_blocks, H, page, 2D]
+    query = torch.randn((num_tokens, num_q_heads, head_dim), generator=device_gen, device=device).to(dtype)
+    parents = torch.stack([random_parents(int(n), width, gen) for n in num_nodes])
+    tree = TreeAttentionMetadata(
+        tree_reqs=torch.arange(num_trees, device=device),
+        num_nodes_cpu=num_nodes.tolist(),
+        query_start=query_start.to(device),
+        seq_lens=seq_lens.to(device),
+        block_table=block_table.to(device),
+        node_mask=ancestor_mask(parents).to(device),
+        num_nodes=num_nodes.to(device),
+        max_seq_len=int(seq_lens.max()),
+    )
+    return TreeCase(
+        query=query,
+        kv_cache=kv_cache,
+        kv=PagedKV.for_packed(kv_cache, head_dim),
+        tree=tree,
+        tree_rows=tree_rows.to(device),
+        scale=head_dim**-0.5,
+    )

@@ -1,0 +1,125 @@
+"""GPU kernels against the pure-torch reference on random inputs: tree attention and KV compaction.
+
+Skipped without CUDA. `TRITON_INTERPRET=1` runs a few small cases on the CPU through Triton's interpreter
+(useful to check a kernel's logic without a GPU; slow, so the big grid needs CUDA).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+
+from tests.gpu.cases import make_case
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if INTERPRET else None)
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(DEVICE is None, reason="needs CUDA (or TRITON_INTERPRET=1)")]
+
+# Relative error bounds ||out - ref|| / ||ref|| (METHOD.md): float32 exact-path arithmetic; bf16 operands.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1.5e-2, torch.float16: 5e-3}
+
+if INTERPRET:
+    # (the interpreter mishandles bf16 dot products: float16 stands in for the 16-bit path)
+    GRID = [(2, 3, 40, (4, 2), 32, torch.float32), (1, 7, 70, (2, 2), 32, torch.float16)]
+else:
+    # (batch, B, context) sweep with the head shape rotating, then every head shape at one size.
+    HEADS = [((32, 8), 128, torch.bfloat16), ((8, 8), 64, torch.float32), ((16, 2), 128, torch.float32),
+             ((8, 1), 64, torch.bfloat16), ((28, 4), 128, torch.bfloat16), ((32, 8), 64, torch.float32)]
+    GRID = [
+        (b, budget, ctx, *HEADS[i % len(HEADS)])
+        for i, (b, budget, ctx) in enumerate(itertools.product([1, 8, 64], [1, 15, 128], [1, 1000, 8192]))
+    ] + [
+        (8, 15, 1000, gqa, hd, dt)
+        for gqa, hd, dt in itertools.product([(32, 8), (8, 8), (8, 1), (12, 4)], [64, 128], [torch.bfloat16,
+                                                                                             torch.float32])
+    ]  # fmt: skip
+
+
+def _ids(case) -> str:
+    b, budget, ctx, (hq, hkv), hd, dt = case
+    return f"b{b}-B{budget}-ctx{ctx}-h{hq}x{hkv}-d{hd}-{str(dt).split('.')[-1]}"
+
+
+def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def _check_tree_attention(case_args, seed: int, num_splits: int | None = None) -> float:
+    from vllm_ddtree.attention.reference import tree_attention_reference_
+    from vllm_ddtree.attention.triton_tree import tree_attention_triton_
+
+    b, budget, ctx, (hq, hkv), hd, dtype = case_args
+    case = make_case(b, budget, ctx, hq, hkv, hd, dtype, DEVICE, seed=seed)
+    ref = torch.full_like(case.query, float("nan"))
+    tree_attention_reference_(case.query, case.kv, case.tree, case.scale, ref)
+    out = torch.full_like(case.query, float("nan"))  # poisoned: every tree row must be written
+    t = case.tree
+    tree_attention_triton_(
+        case.query, case.kv.keys, case.kv.values, t.block_table, t.query_start, t.seq_lens, t.num_nodes,
+        t.node_mask, t.max_seq_len, case.scale, out, num_splits=num_splits,
+    )  # fmt: skip
+    rows = case.tree_rows
+    assert torch.isfinite(out[rows]).all(), "tree rows left unwritten or NaN"
+    assert torch.isnan(out[~rows]).all(), "rows outside the trees were written"
+    err = _relative_error(out[rows], ref[rows])
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e} for {_ids(case_args)}"
+    return err
+
+
+@pytest.mark.parametrize("case_args", GRID, ids=_ids)
+def test_tree_attention_matches_reference(case_args):
+    _check_tree_attention(case_args, seed=hash(_ids(case_args)) % 1000)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7] if not INTERPRET else [1, 3])
+def test_tree_attention_forced_splits(num_splits):
+    case = (3, 15, 900, (8, 2), 64, torch.float32) if not INTERPRET else (2, 4, 50, (4, 2), 32, torch.float32)
+    _check_tree_attention(case, seed=11 + num_splits, num_splits=num_splits)
+
+
+def _random_moves(num_reqs: int, moves: int, slots_per_req: int, gen: torch.Generator):
+    """Per request: nodes 1..moves+... get slots; the accepted path p_1 < p_2 < ... with p_d >= d moves to d."""
+    src, dst = [], []
+    perm = torch.randperm(num_reqs * slots_per_req, generator=gen)
+    for r in range(num_reqs):
+        node_slot = perm[r * slots_per_req : (r + 1) * slots_per_req]  # slot of node i
+        accepted = int(torch.randint(0, moves + 1, (), generator=gen))
+        path = sorted(torch.randperm(slots_per_req - 1, generator=gen)[:accepted].add(1).tolist())
+        path = [max(p, d + 1) for d, p in enumerate(path)]
+        for d in range(1, len(path)):  # keep it strictly increasing after the clamp
+            path[d] = max(path[d], path[d - 1] + 1)
+        path = [p for p in path if p < slots_per_req]
+        for m in range(moves):
+            target = node_slot[m + 1]
+            source = node_slot[path[m]] if m < len(path) else target
+            src.append(int(source))
+            dst.append(int(target))
+    return torch.tensor(src).view(num_reqs, moves), torch.tensor(dst).view(num_reqs, moves)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32] if not INTERPRET else [torch.float16, torch.float32])
+@pytest.mark.parametrize("num_reqs,moves", [(1, 1), (8, 15), (33, 63)] if not INTERPRET else [(3, 4)])
+def test_compaction_matches_reference(dtype, num_reqs, moves):
+    from vllm_ddtree.kv.paged import PagedKV
+    from vllm_ddtree.kv.triton_compact import LayerTable, compact_kv_triton_
+
+    gen = torch.Generator().manual_seed(num_reqs * 100 + moves)
+    page, heads, hd, layers = 16, 4 if INTERPRET else 8, 32 if INTERPRET else 128, 3 if INTERPRET else 36
+    slots_per_req = moves + 1 + 2
+    num_blocks = (num_reqs * slots_per_req + page - 1) // page + 1
+    caches = [
+        torch.randn((num_blocks, page, heads, 2 * hd), generator=gen).to(dtype).to(DEVICE).permute(0, 2, 1, 3)
+        for _ in range(layers)
+    ]
+    expected = [c.clone() for c in caches]
+    src, dst = _random_moves(num_reqs, moves, slots_per_req, gen)
+    for c in expected:
+        PagedKV.for_packed(c, hd).copy_slots(src.flatten().to(DEVICE), dst.flatten().to(DEVICE))
+    views = [PagedKV.for_packed(c, hd) for c in caches]
+    table = LayerTable([v.keys for v in views], [v.values for v in views])
+    compact_kv_triton_(table, src.to(DEVICE), dst.to(DEVICE))
+    for got, want in zip(caches, expected):
+        assert torch.equal(got, want)

@@ -1,0 +1,269 @@
+"""Tree verification attention on the GPU: one Triton pass over the paged KV cache (context + tree nodes).
+
+For every tree request t and KV head h, the query rows are the (node, query head of h's group) pairs, flattened
+as row = node * GROUP + g, so a GQA group shares each key/value tile. Keys are read through the block table; a
+key at position p < context_len is visible to every node, a key at p >= context_len is tree node j = p -
+context_len and is visible to node i iff `node_mask[t, i, j]` (j is i or an ancestor of i).
+
+Long contexts are split over `num_splits` programs per (request, head, row tile) (flash-decoding): each writes
+a normalized partial output and its log-sum-exp, and `_merge_splits_kernel` combines them. With one split the
+main kernel writes the output directly.
+
+Launch safety: no host-device synchronization; all sizes come from host values the step already knows
+(`TreeAttentionMetadata.plan`), so the launches can be captured in a CUDA graph for a fixed batch shape.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tree_attention_kernel(
+    Q,  # [num_tokens, Hq, D]
+    K,  # [num_blocks, page, Hkv, D] (last dim contiguous)
+    V,  # [num_blocks, page, Hkv, D]
+    BlockTable,  # [T, max_blocks] int32
+    QueryStart,  # [T] int64, first scheduled token (the root) of each tree request
+    SeqLens,  # [T] int64, context + nodes
+    NumNodes,  # [T] int64, valid nodes, root included
+    NodeMask,  # [T, WIDTH, WIDTH] uint8, 1 = may attend
+    Out,  # [num_tokens, Hq, D]
+    PartO,  # [T, Hq, WIDTH, NUM_SPLITS, D] float32 (only with NUM_SPLITS > 1)
+    PartLse,  # [T, Hq, WIDTH, NUM_SPLITS] float32, log2-sum-exp2 of each split
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    qk_scale,  # softmax scale * log2(e)
+    split_len,  # keys per split, a multiple of BLOCK_N
+    num_splits,  # runtime, so a growing context does not recompile
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    WIDTH: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    M_TILES: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    t = pid // M_TILES
+    rows = (pid % M_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    node = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP  # query head of each row
+
+    num_nodes = tl.load(NumNodes + t).to(tl.int32)
+    seq_len = tl.load(SeqLens + t).to(tl.int32)
+    q_start = tl.load(QueryStart + t)
+    ctx_len = seq_len - num_nodes
+    row_ok = node < num_nodes
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    token = (q_start + node).to(tl.int64)  # [BLOCK_M]
+    q = tl.load(
+        Q + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
+
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = BlockTable + t.to(tl.int64) * stride_bt
+    mask_base = NodeMask + t.to(tl.int64) * (WIDTH * WIDTH) + node[:, None] * WIDTH  # [BLOCK_M, 1]
+
+    # Two passes over [lo, hi): context keys (no mask), then tree keys (ancestor mask).
+    for part in tl.static_range(2):
+        if part == 0:
+            start, end = lo, tl.minimum(hi, ctx_len)
+        else:
+            start, end = tl.maximum(lo, ctx_len), hi
+        for block_start in range(start, end, BLOCK_N):
+            pos = block_start + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+            key_ok = pos < end
+            block = tl.load(bt_row + pos // PAGE, mask=key_ok, other=0).to(tl.int64)
+            offset = (pos % PAGE).to(tl.int64)
+            k = tl.load(
+                K + block[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+                mask=key_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )  # [BLOCK_N, BLOCK_D]
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+            if part == 0:
+                visible = key_ok[None, :] & row_ok[:, None]
+            else:
+                bits = tl.load(
+                    mask_base + (pos - ctx_len)[None, :], mask=key_ok[None, :] & row_ok[:, None], other=0
+                )
+                visible = bits != 0
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(
+                V + block[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
+                mask=key_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+
+    has_keys = l_i > 0.0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if num_splits == 1:
+        tl.store(
+            Out + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))  # [BLOCK_M]
+        part_row = ((t.to(tl.int64) * NUM_Q_HEADS + head) * WIDTH + node) * num_splits + split  # [BLOCK_M]
+        tl.store(PartLse + part_row, lse, mask=row_ok)
+        tl.store(PartO + part_row[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    PartO,  # [T, Hq, WIDTH, NUM_SPLITS, D] float32
+    PartLse,  # [T, Hq, WIDTH, NUM_SPLITS] float32
+    QueryStart,  # [T] int64
+    NumNodes,  # [T] int64
+    Out,  # [num_tokens, Hq, D]
+    stride_ot,
+    stride_oh,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    WIDTH: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    pid = tl.program_id(0)  # t * WIDTH + node
+    head = tl.program_id(1)
+    t = pid // WIDTH
+    node = pid % WIDTH
+    if node < tl.load(NumNodes + t):
+        part_row = ((t.to(tl.int64) * NUM_Q_HEADS + head) * WIDTH + node) * NUM_SPLITS
+        s = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        lse = tl.load(PartLse + part_row + s, mask=s < NUM_SPLITS, other=float("-inf"))  # [BLOCK_S]
+        m = tl.max(lse, axis=0)
+        w = tl.exp2(lse - m)  # empty splits weigh 0; at least one split holds the node's own key
+        o = tl.load(
+            PartO + (part_row + s)[:, None] * HEAD_DIM + d[None, :],
+            mask=(s < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :],
+            other=0.0,
+        )  # [BLOCK_S, BLOCK_D]
+        out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+        token = tl.load(QueryStart + t) + node
+        tl.store(Out + token * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+MAX_SPLITS = 64
+
+
+def plan_splits(
+    num_programs: int, max_seq_len: int, block_n: int, num_sms: int, min_split: int = 256
+) -> tuple[int, int]:
+    """(num_splits, split_len): about two waves of programs over the SMs, each split >= `min_split` keys.
+
+    Split counts are powers of two (<= MAX_SPLITS), so the merge kernel compiles for a handful of sizes.
+    """
+    max_seq_len = max(int(max_seq_len), 1)
+    want = min(-(-2 * num_sms // max(num_programs, 1)), -(-max_seq_len // min_split), MAX_SPLITS)
+    splits = triton.next_power_of_2(max(want, 1))
+    split_len = triton.cdiv(triton.cdiv(max_seq_len, splits), block_n) * block_n
+    return splits, split_len
+
+
+def _block_sizes(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
+    if dtype == torch.float32:
+        return 32, 32 if head_dim > 64 else 64
+    return 64, 64
+
+
+def tree_attention_triton_(
+    query: torch.Tensor,  # [num_tokens, Hq, D]
+    keys: torch.Tensor,  # [num_blocks, page, Hkv, D]
+    values: torch.Tensor,  # [num_blocks, page, Hkv, D]
+    block_table: torch.Tensor,  # [T, max_blocks] int32
+    query_start: torch.Tensor,  # [T] int64
+    seq_lens: torch.Tensor,  # [T] int64
+    num_nodes: torch.Tensor,  # [T] int64
+    node_mask: torch.Tensor,  # [T, N, N] bool or uint8
+    max_seq_len: int,  # host upper bound of seq_lens (sizes the splits)
+    scale: float,
+    output: torch.Tensor,  # [num_tokens, Hq, D]; rows of tree nodes are overwritten
+    num_splits: int | None = None,
+) -> None:
+    """Overwrite the tree nodes' rows of `output` with tree attention. Sync-free; see the module docstring."""
+    num_trees, width = node_mask.shape[0], node_mask.shape[1]
+    if num_trees == 0:
+        return
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, page = keys.shape[2], keys.shape[1]
+    assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
+    assert query.stride(2) == 1 and keys.stride(3) == 1 and values.stride(3) == 1 and output.stride(2) == 1
+    group = num_q_heads // num_kv_heads
+    block_m, block_n = _block_sizes(query.dtype, head_dim)
+    m_tiles = triton.cdiv(width * group, block_m)
+    programs = num_trees * m_tiles * num_kv_heads
+    if num_splits is None:
+        num_sms = _num_sms(query.device.index or 0) if query.is_cuda else 4  # CPU: Triton's interpreter
+        num_splits, split_len = plan_splits(programs, max_seq_len, block_n, num_sms)
+    else:
+        split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
+    if num_splits > 1:
+        part_o = torch.empty((num_trees, num_q_heads, width, num_splits, head_dim), dtype=torch.float32,
+                             device=query.device)
+        part_lse = torch.empty((num_trees, num_q_heads, width, num_splits), dtype=torch.float32, device=query.device)
+    else:
+        part_o = part_lse = output  # unused
+    mask = node_mask.view(torch.uint8) if node_mask.dtype == torch.bool else node_mask
+    block_d = triton.next_power_of_2(head_dim)
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    _tree_attention_kernel[(num_trees * m_tiles, num_kv_heads, num_splits)](
+        query, keys, values, block_table, query_start, seq_lens, num_nodes, mask.contiguous(), output, part_o,
+        part_lse,
+        query.stride(0), query.stride(1),
+        keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2),
+        block_table.stride(0),
+        output.stride(0), output.stride(1),
+        scale * 1.4426950408889634, split_len, num_splits,
+        NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, WIDTH=width, PAGE=page,
+        BLOCK_M=block_m, BLOCK_N=block_n, M_TILES=m_tiles, PRECISION=precision,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    if num_splits > 1:
+        _merge_splits_kernel[(num_trees * width, num_q_heads)](
+            part_o, part_lse, query_start, num_nodes, output, output.stride(0), output.stride(1),
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, WIDTH=width, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+        )  # fmt: skip
