@@ -6,9 +6,9 @@ source /tmp/site/env.sh
 cd "$(dirname "$0")/.."
 pip install -q --no-deps --no-build-isolation -e . > /tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv | tee "$OUT/gpu.txt"
-timeout "${SMOKE_S:-220}" python scripts/gpu_smoke.py --out "$OUT/smoke.json" > "$OUT/smoke.log" 2>&1
+timeout "${SMOKE_S:-210}" python scripts/gpu_smoke.py --out "$OUT/smoke.json" > "$OUT/smoke.log" 2>&1
 echo "smoke rc=$?"; grep -a "SMOKE\|Error\|error" "$OUT/smoke.log" | head -20
-timeout "${KERNELS_S:-200}" python -m pytest tests/gpu -q -p no:cacheprovider -x > "$OUT/kernels.log" 2>&1
+timeout "${KERNELS_S:-190}" python -m pytest tests/gpu -q -p no:cacheprovider -x > "$OUT/kernels.log" 2>&1
 echo "kernel tests rc=$?"; tail -4 "$OUT/kernels.log"
 timeout "${BENCH_S:-150}" python scripts/bench_attention.py --out "$OUT/attn.json" > "$OUT/attn.log" 2>&1
 echo "bench rc=$?"; tail -14 "$OUT/attn.log"

@@ -31,7 +31,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="smoke.json")
-    parser.add_argument("--settings", default="7:4:graphs,16:16:graphs,31:16:eager")
+    parser.add_argument("--settings", default="7:4:eager,16:16:graphs,31:16:eager")
     args = parser.parse_args()
     root = Path("/tmp/ddtree-smoke")
     target = str(make_tiny_target(root / "target"))
@@ -54,7 +54,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(results, indent=1))
         return row
 
-    base = one("plain", None)
+    base = one("plain (eager)", None, enforce_eager=True)
     for setting in args.settings.split(","):
         budget, block, mode = setting.split(":")
         spec = {"method": "ddtree", "model": drafters[int(block)], "num_speculative_tokens": int(budget)}
