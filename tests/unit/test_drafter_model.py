@@ -1,0 +1,150 @@
+"""The pure-torch DFlash drafter: config fields vLLM reads, save/load round trip, shapes, masks, learning."""
+
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vllm_ddtree.drafter.model import DFlashDrafter, DrafterConfig, block_attention_mask
+from vllm_ddtree.drafter.train import (
+    IGNORE,
+    Sequence,
+    block_loss,
+    default_target_layer_ids,
+    position_weights,
+    sample_blocks,
+)
+
+V, H, MASK = 48, 64, 47
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: one thread avoids the thread thrashing that makes these tests 30x slower on a busy box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_config(**overrides) -> DrafterConfig:
+    fields = dict(
+        hidden_size=H, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, vocab_size=V, block_size=4, mask_token_id=MASK, target_layer_ids=[0, 2],
+        num_target_layers=3, rope_theta=10000.0, extra={"eos_token_id": 2},
+    )
+    fields.update(overrides)
+    return DrafterConfig(**fields)
+
+
+def tiny_drafter(seed: int = 0, **overrides) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(tiny_config(**overrides))
+    drafter.attach_target(torch.randn(V, H), torch.randn(V, H) * 0.5)
+    return drafter
+
+
+def test_saved_config_and_weight_names_match_vllm(tmp_path):
+    drafter = tiny_drafter()
+    drafter.save(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["block_size"] == 4 and config["num_target_layers"] == 3
+    assert config["dflash_config"]["mask_token_id"] == MASK
+    assert config["dflash_config"]["target_layer_ids"] == [0, 2]
+    assert config["eos_token_id"] == 2 and config["model_type"] == "qwen3"
+    names = set(load_file(str(tmp_path / "model.safetensors")))
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight"} <= names
+    assert not any(n.startswith("model.") or "embed" in n or "lm_head" in n for n in names)
+    expected_layer = {
+        "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+    }
+    assert {n[len("layers.1."):] for n in names if n.startswith("layers.1.")} == expected_layer
+    assert load_file(str(tmp_path / "model.safetensors"))["fc.weight"].shape == (H, 2 * H)
+
+
+def test_save_load_round_trip(tmp_path):
+    drafter = tiny_drafter()
+    drafter.save(tmp_path)
+    loaded = DFlashDrafter.load(tmp_path)
+    assert loaded.config == drafter.config
+    loaded.attach_target(drafter.embed_weight, drafter.lm_head_weight)
+    block = torch.full((1, 2, 4), MASK)
+    block[:, :, 0] = torch.tensor([5, 9])
+    features, anchors = torch.randn(1, 10, 2 * H), torch.tensor([[3, 7]])
+    torch.testing.assert_close(loaded(block, anchors, features), drafter(block, anchors, features))
+
+
+def test_forward_shapes_and_block_isolation():
+    drafter = tiny_drafter().eval()
+    block = torch.full((2, 3, 4), MASK)
+    features, anchors = torch.randn(2, 12, 2 * H), torch.tensor([[2, 5, 8], [1, 4, 9]])
+    hidden = drafter(block, anchors, features)
+    assert hidden.shape == (2, 3, 4, H) and drafter.logits(hidden).shape == (2, 3, 4, V)
+    # A block only sees context before its anchor: changing later features leaves it unchanged.
+    changed = features.clone()
+    changed[:, 5:] = torch.randn(2, 7, 2 * H)
+    torch.testing.assert_close(drafter(block, anchors, changed)[0, :2], hidden[0, :2])
+    torch.testing.assert_close(drafter(block, anchors, changed)[1, :2], hidden[1, :2])
+    # Several blocks at once equal each block alone with its context cut at the anchor (what vLLM runs).
+    alone = drafter(block[:1, 1:2], anchors[:1, 1:2], features[:1, :5])
+    torch.testing.assert_close(alone[0, 0], hidden[0, 1], atol=1e-5, rtol=1e-5)
+
+
+def test_block_mask_non_causal_and_causal():
+    mask = block_attention_mask(torch.tensor([[2, 4]]), 2, 5, None, causal=False)[0]  # [4, 5 + 4]
+    assert mask[0, :5].tolist() == [True, True, False, False, False]
+    assert mask[2, :5].tolist() == [True, True, True, True, False]
+    assert mask[0, 5:].tolist() == [True, True, False, False]
+    causal = block_attention_mask(torch.tensor([[2]]), 3, 4, None, causal=True)[0]
+    assert causal[:, 4:].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        tiny_config(target_layer_ids=[2, 0])
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        tiny_config(target_layer_ids=[3])
+    with pytest.raises(ValueError, match="mask_token_id"):
+        tiny_config(mask_token_id=V)
+    assert default_target_layer_ids(30, 5) == [1, 8, 14, 21, 28]
+    assert default_target_layer_ids(2, 5) == [0, 1]
+
+
+def test_sample_blocks_labels_follow_the_sequence():
+    seqs = [Sequence([10, 11, 12], [20, 21, 22, 23, 24]), Sequence([10], [30, 31])]
+    batch = sample_blocks(seqs, 4, 3, MASK, 0, random.Random(0))
+    ids = batch.input_ids
+    for b, seq in enumerate(seqs):
+        for a_idx in range(3):
+            anchor, labels = batch.anchors[b, a_idx].item(), batch.labels[b, a_idx]
+            if (labels == IGNORE).all():
+                continue
+            assert anchor >= len(seq.prompt)
+            assert batch.block_ids[b, a_idx, 0] == ids[b, anchor]
+            assert (batch.block_ids[b, a_idx, 1:] == MASK).all()
+            real = seq.ids[anchor + 1 : anchor + 4]
+            assert labels[: len(real)].tolist() == real and (labels[len(real):] == IGNORE).all()
+    assert position_weights(4, 2.0)[0] == 1.0 and position_weights(4, None).tolist() == [1.0, 1.0, 1.0]
+
+
+def test_loss_decreases_on_a_toy_batch():
+    torch.manual_seed(0)
+    drafter = tiny_drafter()
+    rng = random.Random(0)
+    seqs = [Sequence([1, 2], [(3 + 5 * i + t) % 40 + 3 for t in range(14)]) for i in range(4)]
+    batch = sample_blocks(seqs, 4, 4, MASK, 0, rng)
+    features = torch.randn(4, batch.input_ids.shape[1], 2 * H)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        loss, _ = block_loss(drafter, batch, features, gamma=4.0)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]

@@ -1,0 +1,479 @@
+"""Train a DFlash drafter on the target's own responses, the way DFlash trains.
+
+Stages (each a small function):
+    prompts -> ``encode_prompts``       token ids (chat template when the tokenizer has one)
+            -> ``generate_responses``   the target answers them (greedy or sampled); cached in OUT/responses.jsonl
+            -> ``sample_blocks``        random anchors in each response; block = [anchor token, mask, ..., mask]
+            -> ``target_features``      target hidden states after ``target_layer_ids`` (HF, output_hidden_states)
+            -> ``block_loss``           cross-entropy at block offsets 1..S-1 against the target's tokens
+    checkpoints in OUT/checkpoints/step-N (``resume=True`` continues from the newest), the final drafter in
+    OUT/drafter (vLLM: ``speculative_config={"method": "dflash", "model": "OUT/drafter", ...}``).
+``simulate_acceptance`` replays greedy speculative decoding in pure torch: the acceptance length vLLM should report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from vllm_ddtree.drafter.model import DFlashDrafter, DrafterConfig
+
+IGNORE = -100
+
+
+@dataclass
+class TrainConfig:
+    target: str  # Hugging Face folder of the target (Llama or Qwen3 architecture)
+    out: str  # output folder: responses.jsonl, checkpoints/, drafter/
+    block_size: int = 16
+    num_layers: int = 1
+    target_layer_ids: list[int] | None = None  # default: spread over the target's depth
+    mask_token_id: int | None = None  # default: tokenizer's mask/unk token, else the last id
+    sources: tuple[str, ...] = ("sharegpt", "mtbench", "humaneval")
+    num_prompts: int = 2000
+    max_prompt_len: int = 256
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # of the target's responses; 0 = greedy
+    gen_batch_size: int = 64
+    generator: str = "hf"  # "hf" (transformers) or "vllm"
+    chat_template: bool = True
+    steps: int = 2000
+    batch_size: int = 16  # sequences per step
+    anchors_per_seq: int = 32
+    lr: float = 1e-3
+    warmup_steps: int = 100
+    weight_decay: float = 0.0
+    loss_decay: float | None = None  # gamma: weight of offset k is exp(-(k - 1) / gamma); None = uniform
+    save_every: int = 500
+    eval_prompts: int = 16
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "auto"  # of the target: "auto" = bfloat16 on GPU, float32 on CPU
+    resume: bool = False
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, T] right-padded sequences (prompt + response)
+    seq_lens: torch.Tensor  # [B]
+    anchors: torch.Tensor  # [B, A] position of each block's first token
+    block_ids: torch.Tensor  # [B, A, S] anchor token, then mask tokens
+    labels: torch.Tensor  # [B, A, S - 1] target tokens at offsets 1..S-1 (IGNORE past the end / padded anchors)
+
+
+@dataclass
+class Sequence:
+    prompt: list[int]
+    response: list[int]
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt + self.response
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_target(path: str, device: torch.device, dtype: str = "auto"):
+    """HF causal LM (frozen, eval mode; ``dtype`` "auto": bf16 on GPU, fp32 on CPU) and its tokenizer (or None)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    if dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"dtype={dtype!r}; expected 'auto', 'bfloat16' or 'float32'")
+    dtype = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval().requires_grad_(False)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        tokenizer = None
+    return model, tokenizer
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """``num_features`` layer indices spread from layer 1 to the layer before last (DFlash's usual spread)."""
+    if num_target_layers <= 2 or num_features == 1:
+        return [max(0, (num_target_layers - 1) // 2)] if num_features == 1 else list(range(num_target_layers))
+    lo, hi = 1, num_target_layers - 2
+    num_features = min(num_features, hi - lo + 1)
+    return sorted({round(lo + (hi - lo) * i / max(1, num_features - 1)) for i in range(num_features)})
+
+
+def default_mask_token_id(tokenizer, vocab_size: int) -> int:
+    for name in ("mask_token_id", "unk_token_id"):
+        token_id = getattr(tokenizer, name, None) if tokenizer is not None else None
+        if token_id is not None and 0 <= token_id < vocab_size:
+            return token_id
+    return vocab_size - 1
+
+
+def make_drafter_config(target_config, cfg: TrainConfig, tokenizer) -> DrafterConfig:
+    """Drafter shaped like one target layer (same hidden size, heads and MLP width); Qwen3 attention."""
+    text = getattr(target_config, "text_config", None) or target_config
+    num_target_layers = text.num_hidden_layers
+    layer_ids = cfg.target_layer_ids or default_target_layer_ids(num_target_layers, min(5, max(1, num_target_layers)))
+    rope = getattr(text, "rope_parameters", None) or {}
+    rope_theta = rope.get("rope_theta") or getattr(text, "rope_theta", None) or 1_000_000.0
+    heads = text.num_attention_heads
+    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else default_mask_token_id(tokenizer, text.vocab_size)
+    return DrafterConfig(
+        hidden_size=text.hidden_size,
+        intermediate_size=text.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        vocab_size=text.vocab_size,
+        block_size=cfg.block_size,
+        mask_token_id=mask_id,
+        target_layer_ids=list(layer_ids),
+        num_target_layers=num_target_layers,
+        rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta),
+        max_position_embeddings=getattr(text, "max_position_embeddings", 32768),
+        extra={k: getattr(text, k) for k in ("bos_token_id", "eos_token_id") if getattr(text, k, None) is not None},
+    )
+
+
+@torch.no_grad()
+def target_features(model, input_ids: torch.Tensor, seq_lens: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+    """Target residual stream after each layer in ``layer_ids``, concatenated: [B, T, len(layer_ids) * H].
+
+    HF's ``hidden_states[i + 1]`` is the output of decoder layer i, except for the last layer, where HF returns
+    the final-normed state; vLLM takes the un-normed one, so that one is caught at the final norm's input.
+    """
+    T = input_ids.shape[1]
+    attention_mask = (torch.arange(T, device=input_ids.device) < seq_lens.unsqueeze(-1)).long()
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    num_layers = len(base.layers)
+    captured = {}
+    hook = base.norm.register_forward_pre_hook(lambda _m, args: captured.__setitem__("pre_norm", args[0]))
+    try:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+    finally:
+        hook.remove()
+    states = [captured["pre_norm"] if i == num_layers - 1 else out.hidden_states[i + 1] for i in layer_ids]
+    return torch.cat(states, dim=-1)
+
+
+def encode_prompts(tokenizer, prompts, chat_template: bool, max_prompt_len: int) -> list[list[int]]:
+    """Token ids of each prompt (``Prompt`` records or strings); prompts longer than ``max_prompt_len`` are dropped."""
+    encoded = []
+    for prompt in prompts:
+        text = getattr(prompt, "text", prompt)
+        if chat_template and getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=True
+            )["input_ids"]
+        else:
+            ids = tokenizer(text)["input_ids"]
+        if 0 < len(ids) <= max_prompt_len:
+            encoded.append(list(ids))
+    return encoded
+
+
+@torch.no_grad()
+def generate_responses(
+    model, prompts: list[list[int]], max_new_tokens: int, temperature: float, batch_size: int, eos_ids, pad_id: int
+) -> list[list[int]]:
+    """The target's responses to token-id prompts with transformers (left-padded batches); cut after EOS."""
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    eos_ids = set(eos_ids)
+    responses: list[list[int]] = []
+    for start in tqdm(range(0, len(prompts), batch_size), desc="generating", unit="batch"):
+        chunk = prompts[start : start + batch_size]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=pad_id,
+            eos_token_id=sorted(eos_ids) or None,
+        )
+        for row in out[:, width:].tolist():
+            responses.append(_cut_after_eos(row, eos_ids))
+    return responses
+
+
+def generate_responses_vllm(
+    target: str, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int
+) -> list[list[int]]:
+    """Same as ``generate_responses`` with vLLM (much faster on a GPU); frees the engine afterwards."""
+    import gc
+
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(target, gpu_memory_utilization=0.4, seed=seed, max_model_len=max(len(p) for p in prompts) + max_new_tokens)
+    params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed if temperature > 0 else None)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    responses = [list(o.outputs[0].token_ids) for o in outs]
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return responses
+
+
+def _cut_after_eos(row: list[int], eos_ids: set[int]) -> list[int]:
+    for i, token in enumerate(row):
+        if token in eos_ids:
+            return row[: i + 1]
+    return row
+
+
+def sample_blocks(
+    seqs: list[Sequence], block_size: int, anchors_per_seq: int, mask_token_id: int, pad_id: int, rng: random.Random
+) -> Batch:
+    """Random anchors in each response (positions len(prompt) .. len - 2) and their blocks and labels."""
+    B, S, A = len(seqs), block_size, anchors_per_seq
+    T = max(len(s.ids) for s in seqs)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    anchors = torch.zeros((B, A), dtype=torch.long)
+    labels = torch.full((B, A, S - 1), IGNORE, dtype=torch.long)
+    for b, seq in enumerate(seqs):
+        ids = seq.ids
+        input_ids[b, : len(ids)] = torch.tensor(ids)
+        candidates = list(range(max(1, len(seq.prompt)), len(ids) - 1))
+        chosen = sorted(rng.sample(candidates, min(A, len(candidates))))
+        for a_idx, anchor in enumerate(chosen):
+            anchors[b, a_idx] = anchor
+            targets = ids[anchor + 1 : anchor + S]
+            labels[b, a_idx, : len(targets)] = torch.tensor(targets)
+        # Padded anchors (too short a response) keep position 0 and IGNORE labels.
+    block_ids = torch.full((B, A, S), mask_token_id, dtype=torch.long)
+    block_ids[:, :, 0] = torch.gather(input_ids, 1, anchors)
+    seq_lens = torch.tensor([len(s.ids) for s in seqs])
+    return Batch(input_ids, seq_lens, anchors, block_ids, labels)
+
+
+def position_weights(block_size: int, gamma: float | None) -> torch.Tensor:
+    """Loss weight of offsets 1..S-1: exp(-(k - 1) / gamma), or ones."""
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.ones_like(k) if gamma is None else torch.exp(-(k - 1) / gamma)
+
+
+def block_loss(drafter: DFlashDrafter, batch: Batch, features: torch.Tensor, gamma: float | None):
+    """Weighted cross-entropy at offsets 1..S-1; returns (loss, top-1 accuracy per offset [S - 1])."""
+    device = features.device
+    hidden = drafter(batch.block_ids.to(device), batch.anchors.to(device), features, batch.seq_lens.to(device))
+    logits = drafter.logits(hidden[:, :, 1:]).float()  # [B, A, S - 1, V]
+    labels = batch.labels.to(device)
+    valid = labels != IGNORE
+    weights = position_weights(drafter.config.block_size, gamma).to(device) * valid  # [B, A, S - 1]
+    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten().clamp(min=0), reduction="none").view_as(weights)
+    loss = (ce * weights).sum() / weights.sum().clamp(min=1e-6)
+    with torch.no_grad():
+        correct = (logits.argmax(-1) == labels) & valid
+        accuracy = correct.sum((0, 1)).float() / valid.sum((0, 1)).clamp(min=1)
+    return loss, accuracy
+
+
+@torch.no_grad()
+def simulate_acceptance(drafter: DFlashDrafter, target, seqs: list[Sequence], pad_id: int) -> float:
+    """Mean acceptance length (1 + accepted / drafts, as vLLM reports it) of greedy speculative decoding over
+    ``seqs``, whose responses must be the target's greedy ones: each step drafts a block at the next unverified
+    position, accepts the longest prefix that matches the response, and moves past it plus the bonus token."""
+    device = next(drafter.parameters()).device
+    layer_ids, S = drafter.config.target_layer_ids, drafter.config.block_size
+    drafts = accepted = 0
+    for seq in seqs:
+        if len(seq.response) < 2:
+            continue
+        ids = torch.tensor([seq.ids], device=device)
+        features = target_features(target, ids, torch.tensor([ids.shape[1]], device=device), layer_ids)
+        pos, end = len(seq.prompt), len(seq.ids)
+        while pos < end - 1:
+            block = torch.full((1, 1, S), drafter.config.mask_token_id, device=device)
+            block[0, 0, 0] = ids[0, pos]
+            hidden = drafter(block, torch.tensor([[pos]], device=device), features[:, :pos])
+            proposal = drafter.logits(hidden[0, 0, 1:]).argmax(-1).tolist()
+            truth = seq.ids[pos + 1 : pos + S]
+            n = 0
+            while n < len(truth) and proposal[n] == truth[n]:
+                n += 1
+            drafts += 1
+            accepted += n
+            pos += n + 1
+    return 1.0 + accepted / max(1, drafts)
+
+
+def _lr_lambda(cfg: TrainConfig):
+    def schedule(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return schedule
+
+
+def _load_or_generate(cfg: TrainConfig, target, tokenizer, prompts, prompt_ids, pad_id, eos_ids) -> list[Sequence]:
+    """OUT/responses.jsonl caches the target's responses; generation resumes where the file stops."""
+    path = Path(cfg.out) / "responses.jsonl"
+    seqs = []
+    if path.exists():
+        seqs = [Sequence(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    if prompt_ids is None:
+        prompt_ids = encode_prompts(tokenizer, prompts, cfg.chat_template, cfg.max_prompt_len)
+    todo = prompt_ids[len(seqs) :]
+    if todo:
+        eos = sorted(eos_ids)
+        if cfg.generator == "vllm":
+            responses = generate_responses_vllm(cfg.target, todo, cfg.max_new_tokens, cfg.temperature, cfg.seed)
+        else:
+            responses = generate_responses(
+                target, todo, cfg.max_new_tokens, cfg.temperature, cfg.gen_batch_size, eos, pad_id
+            )
+        with path.open("a") as f:
+            for prompt, response in zip(todo, responses):
+                seq = Sequence(prompt, response)
+                seqs.append(seq)
+                f.write(json.dumps(asdict(seq)) + "\n")
+    return [s for s in seqs if len(s.response) >= 2]
+
+
+def _latest_checkpoint(out: Path) -> Path | None:
+    ckpts = sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    return ckpts[-1] if ckpts else None
+
+
+def _save_checkpoint(out: Path, step: int, drafter, optimizer, scheduler, rng: random.Random) -> None:
+    final = out / "checkpoints" / f"step-{step}"
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    drafter.save(tmp / "drafter")
+    state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+             "rng": rng.getstate(), "torch_rng": torch.get_rng_state()}
+    torch.save(state, tmp / "trainer.pt")
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    for old in sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-2]:
+        shutil.rmtree(old, ignore_errors=True)  # keep the newest two
+
+
+def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = None,
+          eval_prompt_ids: list[list[int]] | None = None) -> Path:
+    """Train a drafter for ``cfg.target``; return the folder vLLM loads as a DFlash drafter (OUT/drafter).
+
+    Prompts: ``prompt_ids`` (token ids) if given, else ``prompts`` (``Prompt`` records or strings), else
+    ``cfg.num_prompts`` training prompts of ``cfg.sources``. Evaluation (simulated acceptance length) runs on
+    ``eval_prompt_ids`` or on held-out prompts.
+    """
+    from tqdm.auto import tqdm
+
+    from vllm_ddtree.drafter import data
+
+    device = pick_device(cfg.device)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    target, tokenizer = load_target(cfg.target, device, cfg.dtype)
+    text_config = getattr(target.config, "text_config", None) or target.config
+    pad_id, eos_ids = _special_ids(target, tokenizer)
+    if prompt_ids is None and prompts is None:
+        prompts = data.train_prompts(cfg.sources, limit=cfg.num_prompts, seed=cfg.seed)
+
+    ckpt = _latest_checkpoint(out) if cfg.resume else None
+    if ckpt is not None:
+        drafter = DFlashDrafter.load(ckpt / "drafter", device)
+    else:
+        drafter = DFlashDrafter(make_drafter_config(text_config, cfg, tokenizer)).to(device)
+    drafter.attach_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+
+    seqs = _load_or_generate(cfg, target, tokenizer, prompts, prompt_ids, pad_id, eos_ids)
+    if not seqs:
+        raise ValueError("the target produced no response of 2 or more tokens; check the prompts and EOS ids")
+    eval_seqs = _eval_sequences(cfg, target, tokenizer, eval_prompt_ids, pad_id, eos_ids)
+
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+    start = 0
+    if ckpt is not None:
+        state = torch.load(ckpt / "trainer.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+        start = state["step"]
+
+    layer_ids = drafter.config.target_layer_ids
+    use_bf16 = device.type == "cuda" and target.dtype == torch.bfloat16
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="training", unit="step")
+    for step in bar:
+        batch = sample_blocks(rng.sample(seqs, min(cfg.batch_size, len(seqs))), drafter.config.block_size,
+                              cfg.anchors_per_seq, drafter.config.mask_token_id, pad_id, rng)
+        features = target_features(target, batch.input_ids.to(device), batch.seq_lens.to(device), layer_ids)
+        with autocast:
+            loss, accuracy = block_loss(drafter, batch, features, cfg.loss_decay)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}", acc1=f"{accuracy[0].item():.2f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
+        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+            _save_checkpoint(out, step + 1, drafter, optimizer, scheduler, rng)
+
+    final = drafter.save(out / "drafter")
+    report = {"steps": cfg.steps, "final_loss": loss.item() if cfg.steps > start else None}
+    if eval_seqs:
+        report["simulated_acceptance_length"] = simulate_acceptance(drafter, target, eval_seqs, pad_id)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report))
+    return final
+
+
+def _eval_sequences(cfg, target, tokenizer, eval_prompt_ids, pad_id, eos_ids) -> list[Sequence]:
+    """Greedy target responses to evaluation prompts (held-out ones by default)."""
+    from vllm_ddtree.drafter import data
+
+    if not cfg.eval_prompts:
+        return []
+    if eval_prompt_ids is None:
+        if tokenizer is None:
+            return []
+        heldout = [p for source in cfg.sources for p in data.heldout_prompts(source, limit=cfg.eval_prompts)]
+        random.Random(cfg.seed).shuffle(heldout)
+        eval_prompt_ids = encode_prompts(tokenizer, heldout, cfg.chat_template, cfg.max_prompt_len)
+    eval_prompt_ids = eval_prompt_ids[: cfg.eval_prompts]
+    responses = generate_responses(target, eval_prompt_ids, cfg.max_new_tokens, 0.0, cfg.gen_batch_size,
+                                   sorted(eos_ids), pad_id)
+    return [Sequence(p, r) for p, r in zip(eval_prompt_ids, responses)]
+
+
+def _special_ids(target, tokenizer) -> tuple[int, set[int]]:
+    gen = getattr(target, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) or getattr(target.config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([eos] if eos is not None else []))
+    pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    if pad is None:
+        pad = getattr(gen, "pad_token_id", None) or (min(eos_ids) if eos_ids else 0)
+    return int(pad), eos_ids
+
+
