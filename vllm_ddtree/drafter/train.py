@@ -400,6 +400,7 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
         drafter = DFlashDrafter.load(ckpt / "drafter", device)
     else:
         drafter = DFlashDrafter(make_drafter_config(text_config, cfg, tokenizer)).to(device)
+        _init_from_target(drafter, target)
     drafter.attach_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
     (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
 
@@ -445,6 +446,15 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report))
     return final
+
+
+def _init_from_target(drafter: DFlashDrafter, target) -> None:
+    """Start the drafter's final norm at the target's: both feed the same LM head."""
+    base = target.get_decoder() if hasattr(target, "get_decoder") else target.model
+    weight = getattr(getattr(base, "norm", None), "weight", None)
+    if weight is not None and weight.shape == drafter.norm.weight.shape:
+        with torch.no_grad():
+            drafter.norm.weight.copy_(weight.float())
 
 
 def _eval_sequences(cfg, target, tokenizer, eval_prompt_ids, pad_id, eos_ids) -> list[Sequence]:

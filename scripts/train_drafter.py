@@ -1,0 +1,69 @@
+#!/usr/bin/env python
+"""Train a DFlash drafter for a Hugging Face target on the target's own responses (see docs/drafter.md).
+
+    python scripts/train_drafter.py --target DIR --out OUT [--block-size 16] [--num-layers 1] [--steps 2000] ...
+    python scripts/train_drafter.py --target DIR --out OUT --resume       # continue from OUT/checkpoints
+
+The drafter lands in OUT/drafter; vLLM loads it with
+    speculative_config={"method": "dflash", "model": "OUT/drafter", "num_speculative_tokens": BLOCK_SIZE - 1}
+"""
+
+import argparse
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vllm_ddtree.drafter.data import SOURCES  # noqa: E402
+from vllm_ddtree.drafter.train import TrainConfig, train  # noqa: E402
+
+
+def parse_args(argv=None) -> TrainConfig:
+    defaults = {f.name: f.default for f in fields(TrainConfig)}
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, help="Hugging Face folder of the target (Llama or Qwen3)")
+    p.add_argument("--out", required=True, help="output folder (responses.jsonl, checkpoints/, drafter/)")
+    p.add_argument("--block-size", type=int, default=defaults["block_size"])
+    p.add_argument("--num-layers", type=int, default=defaults["num_layers"], help="drafter decoder layers")
+    p.add_argument("--target-layer-ids", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="comma-separated target layers whose outputs feed the drafter (default: spread)")
+    p.add_argument("--mask-token-id", type=int, default=None)
+    p.add_argument("--sources", type=lambda s: tuple(s.split(",")), default=defaults["sources"],
+                   help=f"comma-separated prompt sources among {','.join(SOURCES)}")
+    p.add_argument("--num-prompts", type=int, default=defaults["num_prompts"])
+    p.add_argument("--max-prompt-len", type=int, default=defaults["max_prompt_len"])
+    p.add_argument("--max-new-tokens", type=int, default=defaults["max_new_tokens"])
+    p.add_argument("--temperature", type=float, default=defaults["temperature"], help="of the responses; 0 = greedy")
+    p.add_argument("--gen-batch-size", type=int, default=defaults["gen_batch_size"])
+    p.add_argument("--generator", choices=("hf", "vllm"), default=defaults["generator"])
+    p.add_argument("--no-chat-template", dest="chat_template", action="store_false")
+    p.add_argument("--steps", type=int, default=defaults["steps"])
+    p.add_argument("--batch-size", type=int, default=defaults["batch_size"], help="sequences per step")
+    p.add_argument("--anchors-per-seq", type=int, default=defaults["anchors_per_seq"])
+    p.add_argument("--lr", type=float, default=defaults["lr"])
+    p.add_argument("--warmup-steps", type=int, default=defaults["warmup_steps"])
+    p.add_argument("--weight-decay", type=float, default=defaults["weight_decay"])
+    p.add_argument("--loss-decay", type=float, default=None, help="gamma: offset k weighs exp(-(k-1)/gamma)")
+    p.add_argument("--save-every", type=int, default=defaults["save_every"])
+    p.add_argument("--eval-prompts", type=int, default=defaults["eval_prompts"], help="held-out prompts per source")
+    p.add_argument("--seed", type=int, default=defaults["seed"])
+    p.add_argument("--device", default=defaults["device"], help="auto (cuda if available), cuda or cpu")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default=defaults["dtype"])
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT")
+    args = vars(p.parse_args(argv))
+    threads = args.pop("threads")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    return TrainConfig(**args)
+
+
+def main(argv=None) -> None:
+    print(train(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()
