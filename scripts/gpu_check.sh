@@ -2,9 +2,8 @@
 # One device call (H200, bundle staged under /tmp/site): install the plugin, an end-to-end smoke test, the kernel
 # tests against the reference, and the kernel benchmarks. Logs and JSON go to $OUT.
 set -uo pipefail
-source /tmp/site/env.sh
 cd "$(dirname "$0")/.."
-pip install -q --no-deps --no-build-isolation -e . > /tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
+source scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv | tee "$OUT/gpu.txt"
 timeout "${SMOKE_S:-210}" python scripts/gpu_smoke.py --out "$OUT/smoke.json" > "$OUT/smoke.log" 2>&1
 echo "smoke rc=$?"; grep -a "SMOKE\|Error\|error" "$OUT/smoke.log" | head -20

@@ -2,9 +2,8 @@
 # One device call after scripts/gpu_check.sh: the greedy-identity sweep (float32, tiny models) in eager mode, a
 # subset with CUDA graphs, and the bf16 divergence check. Logs and JSON go to $OUT.
 set -uo pipefail
-source /tmp/site/env.sh
 cd "$(dirname "$0")/.."
-pip install -q --no-deps --no-build-isolation -e . > /tmp/install.log 2>&1 || { cat /tmp/install.log; exit 1; }
+source scripts/gpu_env.sh
 T=tests/e2e/test_greedy_identity.py::test_greedy_identical_to_no_speculation
 DDTREE_E2E_EAGER=1 timeout "${EAGER_S:-330}" python -m pytest tests/e2e/test_greedy_identity.py -q -p no:cacheprovider \
   > "$OUT/e2e_eager.log" 2>&1

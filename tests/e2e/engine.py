@@ -34,9 +34,16 @@ def device_kwargs() -> dict:
 
     if not torch.cuda.is_available():
         return dict(enforce_eager=True)
+    # vLLM 0.26's fp32 GPU attention (TRITON_ATTN) computes its dot products in TF32 by Triton's default; seen on
+    # the H200: a 5e-4 logit near-tie of the tiny target flipped in plain vLLM but not in DDTree's exact-fp32 tree
+    # kernel (which matched transformers on the CPU). Make Triton's float32 dots exact so the baseline is exact too.
+    os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+    # vLLM 0.26 reserves max_num_seqs * num_speculative_tokens scheduler slots (default 1024 sequences on GPU).
+    kwargs = dict(max_num_seqs=8)
     if os.environ.get("DDTREE_E2E_EAGER") == "1":
-        return dict(enforce_eager=True)
-    return dict(enforce_eager=False, compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256]})
+        return dict(kwargs, enforce_eager=True)
+    return dict(kwargs, enforce_eager=False, compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128,
+                                                                                         256]})
 
 
 def make_llm(target: str, spec: dict | None, **engine_kwargs):

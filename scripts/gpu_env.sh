@@ -1,0 +1,9 @@
+# Sourced by the scripts/gpu_*.sh device calls: vLLM 0.26 from the staged bundle, and the plugin registered
+# without pip (`pip install -e .` failed on the device machine, 2026-11-29): the repository goes on PYTHONPATH
+# and a minimal dist-info in /tmp/site declares the vllm.general_plugins entry point.
+source /tmp/site/env.sh
+d=/tmp/site/vllm_ddtree-0.1.0.dist-info
+mkdir -p "$d"
+printf "Metadata-Version: 2.1\nName: vllm-ddtree\nVersion: 0.1.0\n" > "$d/METADATA"
+printf "[vllm.general_plugins]\nddtree = vllm_ddtree:register\n" > "$d/entry_points.txt"
+export PYTHONPATH="$PWD:$PYTHONPATH"
