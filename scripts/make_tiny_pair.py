@@ -1,15 +1,19 @@
 #!/usr/bin/env python
 """Build the tiny target/drafter pair in tests/fixtures/tiny_pair and check it in vLLM.
 
-    python scripts/make_tiny_pair.py [--out tests/fixtures/tiny_pair] [--verify-only]
+    python scripts/make_tiny_pair.py [--out tests/fixtures/tiny_pair] [--device cpu|cuda] [--verify-only]
 
 1. A byte-level tokenizer (256 byte tokens + <|pad|> <|bos|> <|eos|> <|mask|>), built with `tokenizers`.
-2. A tiny Qwen3 target (hidden 64, 2 layers, 4 heads / 2 KV heads, head_dim 32), trained for a few minutes on
-   CPU on a small synthetic language (templated sentences, counting, lists), so its greedy continuations are
-   neither random nor a single loop.
-3. A DFlash drafter (1 layer, block_size 8) trained with vllm_ddtree.drafter on the target's own greedy
-   continuations of synthetic prompts (held-out prompts use another seed and go to prompts.json).
-4. vLLM (in-tree dflash, greedy): output identical to no speculation; prints the acceptance length.
+2. A tiny Qwen3 target (hidden 64, 2 layers, 4 heads / 2 KV heads, head_dim 32), trained on a synthetic task
+   language (copy / count / days / spell / story; each answer ends in <|eos|>), so its greedy answers depend on
+   the prompt and are neither random nor a loop.
+3. A DFlash drafter (1 layer, block_size 8) trained with vllm_ddtree.drafter on the target's own greedy answers
+   to 2,000 task prompts (seed 1); 32 held-out prompts (seed 3) go to prompts.json.
+4. vLLM (CPU, in-tree dflash, greedy): output identical to no speculation; prints the acceptance length.
+
+The committed fixture was built with `--device cuda --target-steps 6000 --drafter-steps 3000` (4.7 min on one
+H200, float32 throughout); `--device cpu` (the default) runs the same steps on a CPU: not timed here, the
+shared two-core machine was saturated by other jobs.
 """
 
 import argparse
@@ -67,7 +71,8 @@ def task(rng: random.Random) -> tuple[str, str]:
     if kind == 1:
         start = rng.randrange(len(NUMBER_WORDS) - 3)
         stop = rng.randrange(start + 2, min(len(NUMBER_WORDS), start + 9))
-        return f"count from {NUMBER_WORDS[start]} to {NUMBER_WORDS[stop]}:", " " + " ".join(NUMBER_WORDS[start : stop + 1]) + "."
+        answer = " " + " ".join(NUMBER_WORDS[start : stop + 1]) + "."
+        return f"count from {NUMBER_WORDS[start]} to {NUMBER_WORDS[stop]}:", answer
     if kind == 2:
         start, n = rng.randrange(len(DAYS)), rng.randrange(2, 6)
         days = [DAYS[(start + i) % len(DAYS)] for i in range(n + 1)]
@@ -236,10 +241,10 @@ def _vllm_generate(out: Path, prompts: list[str], max_tokens: int, spec: dict | 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "tests" / "fixtures" / "tiny_pair")
-    parser.add_argument("--target-steps", type=int, default=3000)
+    parser.add_argument("--target-steps", type=int, default=6000)
     parser.add_argument("--target-minutes", type=float, default=10.0, help="stop target training after this long")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (the fixture was made on CPU-scale settings)")
-    parser.add_argument("--drafter-steps", type=int, default=1500)
+    parser.add_argument("--drafter-steps", type=int, default=3000)
     parser.add_argument("--verify-only", action="store_true")
     parser.add_argument("--skip-verify", action="store_true")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on a busy box)")

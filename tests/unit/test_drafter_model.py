@@ -148,3 +148,19 @@ def test_loss_decreases_on_a_toy_batch():
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_heldout_split_is_fixed_and_disjoint():
+    from vllm_ddtree.drafter import data
+
+    assert data.heldout_score("mtbench", "81") == data.heldout_score("mtbench", "81")
+    try:
+        heldout = data.heldout_prompts("humaneval")
+        train = data.load_prompts("humaneval", "train")
+    except ValueError as e:  # the data package is not installed here
+        pytest.skip(str(e))
+    assert len(heldout) + len(train) == 164
+    assert not {p.id for p in heldout} & {p.id for p in train}
+    every = data.load_prompts("humaneval", "all")
+    assert {p.id for p in heldout} == {p.id for p in every if data.is_heldout("humaneval", p.id)}
+    assert not {p.id for p in heldout} & {p.id for p in data.train_prompts(("humaneval",))}

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -323,8 +323,3 @@ def block_attention_mask(
     if causal:
         blk_mask &= offset.view(-1, 1) >= offset.view(1, -1)
     return torch.cat([ctx_mask, blk_mask.expand(B, -1, -1)], dim=-1)
-
-
-def config_dict(config: DrafterConfig) -> dict:
-    """Plain dict of the dataclass (for checkpoints)."""
-    return asdict(config)

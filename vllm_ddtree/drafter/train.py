@@ -224,7 +224,8 @@ def generate_responses_vllm(
 
     from vllm import LLM, SamplingParams
 
-    llm = LLM(target, gpu_memory_utilization=0.4, seed=seed, max_model_len=max(len(p) for p in prompts) + max_new_tokens)
+    max_model_len = max(len(p) for p in prompts) + max_new_tokens
+    llm = LLM(target, gpu_memory_utilization=0.4, seed=seed, max_model_len=max_model_len)
     params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed if temperature > 0 else None)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     responses = [list(o.outputs[0].token_ids) for o in outs]
@@ -435,7 +436,8 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
-        bar.set_postfix(loss=f"{loss.item():.3f}", acc1=f"{accuracy[0].item():.2f}", lr=f"{scheduler.get_last_lr()[0]:.1e}")
+        lr = scheduler.get_last_lr()[0]
+        bar.set_postfix(loss=f"{loss.item():.3f}", acc1=f"{accuracy[0].item():.2f}", lr=f"{lr:.1e}")
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
             _save_checkpoint(out, step + 1, drafter, optimizer, scheduler, rng)
 
