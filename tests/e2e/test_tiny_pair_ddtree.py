@@ -1,0 +1,94 @@
+"""DDTree with a drafter that agrees with its target (tests/fixtures/tiny_pair, trained by the project): long
+accepted paths really happen, and the output stays token-identical to vLLM without speculation, also when a
+request ends inside an accepted path (max_tokens, a stop token) or runs up to max_model_len."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.engine import make_llm, close, run
+
+FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "tiny_pair"
+TARGET = str(FIXTURE / "target")
+DRAFTER = str(FIXTURE / "drafter")
+BLOCK_SIZE = json.loads((FIXTURE / "drafter" / "config.json").read_text())["block_size"]
+ENGINE = dict(skip_tokenizer_init=False, max_model_len=512)
+
+pytestmark = pytest.mark.slow
+
+
+def ddtree(budget: int) -> dict:
+    return {"method": "ddtree", "model": DRAFTER, "num_speculative_tokens": budget}
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(TARGET)
+    texts = json.loads((FIXTURE / "prompts.json").read_text())[:12]
+    return [tokenizer.encode(t) for t in texts]
+
+
+def greedy(max_tokens: int, **kwargs):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def baseline(prompts):
+    # Answers end with the target's EOS (past it the target leaves its training language and nothing agrees).
+    return run(TARGET, None, prompts, greedy(96), **ENGINE)
+
+
+@pytest.mark.parametrize("budget", [3, BLOCK_SIZE, 2 * BLOCK_SIZE + 1, 31])
+def test_long_accepted_paths_and_identical_output(prompts, baseline, budget):
+    result = run(TARGET, ddtree(budget), prompts, greedy(96), **ENGINE)
+    assert result.token_ids == baseline.token_ids
+    assert result.finish_reasons == baseline.finish_reasons
+    assert result.acceptance_length > 3.0, result.metrics
+    per_pos = result.metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert per_pos[min(budget, BLOCK_SIZE - 1) - 1] > 0  # some paths reach the deepest level the tree allows
+
+
+def test_requests_ending_inside_accepted_paths(prompts, baseline):
+    """max_tokens and stop tokens cut accepted paths; max_model_len truncates the drafts of a request."""
+    llm = make_llm(TARGET, ddtree(BLOCK_SIZE + 1), **ENGINE)
+    try:
+        from tests.e2e.engine import generate
+
+        for max_tokens in (1, 2, 5, 11, 17):
+            result = generate(llm, prompts, greedy(max_tokens))
+            assert result.token_ids == [t[:max_tokens] for t in baseline.token_ids]
+        # A stop token that occurs mid-output: each request must end right at its first occurrence.
+        stop = baseline.token_ids[0][len(baseline.token_ids[0]) // 2]
+        result = generate(llm, prompts, greedy(96, stop_token_ids=[stop]))
+        for tokens, full, reason in zip(result.token_ids, baseline.token_ids, result.finish_reasons):
+            expected = full[: full.index(stop) + 1] if stop in full else full
+            assert tokens == expected
+            assert reason == "stop"
+        assert result.acceptance_length > 2.0
+    finally:
+        close(llm)
+
+
+def test_eos_inside_accepted_path(prompts, baseline):
+    """Every answer ends with the target's EOS, mostly inside a long accepted path."""
+    eos = 2
+    assert all(t[-1] == eos for t in baseline.token_ids) and set(baseline.finish_reasons) == {"stop"}
+    tree = run(TARGET, ddtree(BLOCK_SIZE), prompts, greedy(96), **ENGINE)
+    assert tree.token_ids == baseline.token_ids
+    assert tree.finish_reasons == baseline.finish_reasons
+
+
+def test_generation_up_to_max_model_len(prompts):
+    max_model_len = max(len(p) for p in prompts) + 40
+    engine = dict(ENGINE, max_model_len=max_model_len)
+    plain = run(TARGET, None, prompts, greedy(max_model_len, ignore_eos=True), **engine)
+    tree = run(TARGET, ddtree(2 * BLOCK_SIZE), prompts, greedy(max_model_len, ignore_eos=True), **engine)
+    assert tree.token_ids == plain.token_ids
+    assert all(len(p) + len(t) == max_model_len for p, t in zip(prompts, tree.token_ids))
