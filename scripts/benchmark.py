@@ -43,10 +43,12 @@ def counters(llm) -> dict:
     return values
 
 
-def measure(llm, prompts, temperature: float, max_tokens: int, seed: int) -> dict:
+def measure(llm, prompts, temperature: float, max_tokens: int, seed: int, ignore_eos: bool = True) -> dict:
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=seed, detokenize=False)
+    params = SamplingParams(
+        temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos, seed=seed, detokenize=False
+    )
     before = counters(llm)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -60,7 +62,7 @@ def measure(llm, prompts, temperature: float, max_tokens: int, seed: int) -> dic
         "output_tokens": tokens,
         "seconds": seconds,
         "output_tokens_per_s": tokens / seconds,
-        "ms_per_output_token": 1000 * seconds / max_tokens,  # per request: all run in lockstep
+        "ms_per_output_token": 1000 * seconds * len(outputs) / tokens,  # per request, all run together
         "acceptance_length": 1 + accepted / drafts if drafts else None,
         "acceptance_per_depth": [round(x / drafts, 4) for x in per_pos] if drafts else None,
     }
@@ -149,6 +151,7 @@ def main() -> None:
     parser.add_argument("--load-format", default="auto", help="'dummy' for timing without weights")
     parser.add_argument("--prompts-file", default=None, help="JSON list of prompt strings")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs / torch.compile")
+    parser.add_argument("--stop-at-eos", action="store_true", help="end answers at EOS (default: fixed length)")
     parser.add_argument("--methods", nargs="+", default=None, help="subset of method names to run")
     parser.add_argument("--out", default="bench-out")
     args = parser.parse_args()
@@ -173,7 +176,7 @@ def main() -> None:
         measure(llm, prompts[:2], 0.0, 8, seed=0)  # warm-up
         for temperature in args.temperatures:
             for batch in args.batch_sizes:
-                result = measure(llm, prompts[:batch], temperature, args.max_tokens, seed=1)
+                result = measure(llm, prompts[:batch], temperature, args.max_tokens, 1, not args.stop_at_eos)
                 rows.append({"method": name, "temperature": temperature, "batch": batch, "init_s": init_s, **result})
                 progress.update()
                 progress.set_postfix(method=name, T=temperature, batch=batch,

@@ -225,7 +225,12 @@ def generate_responses_vllm(
     from vllm import LLM, SamplingParams
 
     max_model_len = max(len(p) for p in prompts) + max_new_tokens
-    llm = LLM(target, gpu_memory_utilization=0.4, seed=seed, max_model_len=max_model_len)
+    # On CPU, compiled mode produced wrong SmolLM2 chat output (docs/drafter.md): run eagerly there.
+    on_cpu = not torch.cuda.is_available()
+    llm = LLM(
+        target, gpu_memory_utilization=0.4, seed=seed, max_model_len=max_model_len, enforce_eager=on_cpu,
+        dtype="float32" if on_cpu else "auto",
+    )
     params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed if temperature > 0 else None)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     responses = [list(o.outputs[0].token_ids) for o in outs]
