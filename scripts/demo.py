@@ -1,10 +1,12 @@
 """DDTree on the default model pair: SmolLM2-135M-Instruct and the project's DFlash drafter.
 
-Runs the same greedy chat prompts three ways through vLLM's offline `LLM` API (no speculation, vLLM's in-tree
+While this build ships no SmolLM2 drafter (vllm_ddtree/drafters/), the demo runs on the project's trained tiny
+pair instead (tests/fixtures/tiny_pair: a tiny target trained on a synthetic language and its DFlash drafter) and
+says so. Runs the same greedy prompts three ways through vLLM's offline `LLM` API (no speculation, vLLM's in-tree
 DFlash chain, DDTree), prints each answer and the acceptance statistics, and checks that both speculative runs
 return exactly the tokens of the plain run.
 
-    python scripts/demo.py [--budget 16] [--max-tokens 96] [--drafter DIR] [--dtype float32]
+    python scripts/demo.py [--budget 16] [--max-tokens 96] [--drafter DIR] [--dtype float32] [--tiny]
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
 
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+TINY_PAIR = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tiny_pair"
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -38,7 +42,7 @@ def spec_stats(llm) -> dict:
     }
 
 
-def run(name, target, spec, prompts, params, dtype):
+def run(name, target, spec, prompts, texts, params, dtype):
     from vllm import LLM
 
     llm = LLM(
@@ -52,9 +56,10 @@ def run(name, target, spec, prompts, params, dtype):
     stats = spec_stats(llm) if spec else {}
     stats["output_tokens_per_s"] = round(sum(map(len, tokens)) / seconds, 1)
     print(f"\n=== {name} ===")
-    for prompt, output in zip(PROMPTS, outputs):
+    for prompt, output in zip(texts, outputs):
         print(f"> {prompt}\n{output.outputs[0].text.strip()}\n")
     print(f"{name} stats: {json.dumps(stats)}")
+    llm.llm_engine.engine_core.shutdown()  # the next engine in this process needs the first one gone
     del llm
     return tokens, stats
 
@@ -71,24 +76,30 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--drafter", default=None, help="DFlash drafter folder (default: the one shipped)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--tiny", action="store_true", help="use the trained tiny pair (tests/fixtures/tiny_pair)")
     args = parser.parse_args()
 
-    target = str(convert_smollm2(default_smollm2_dir().with_name(f"SmolLM2-135M-Instruct-{args.dtype}"), args.dtype))
     drafter = args.drafter or default_drafter_dir()
-    if drafter is None:
-        raise SystemExit("No drafter: this build ships none; pass --drafter DIR (scripts/train_drafter.py makes one).")
-    block_size = json.loads(open(os.path.join(drafter, "config.json")).read())["block_size"]
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-        for p in PROMPTS
-    ]
+    if args.tiny or drafter is None:
+        print("This build ships no SmolLM2 drafter yet: running the project's trained tiny pair (tests/fixtures/tiny_pair).")
+        target, drafter = str(TINY_PAIR / "target"), str(TINY_PAIR / "drafter")
+        texts = json.loads((TINY_PAIR / "prompts.json").read_text())[:6]
+        prompts = texts
+    else:
+        target = str(convert_smollm2(default_smollm2_dir().with_name(f"SmolLM2-135M-Instruct-{args.dtype}"), args.dtype))
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        texts = PROMPTS
+        prompts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in PROMPTS
+        ]
+    block_size = json.loads((Path(drafter) / "config.json").read_text())["block_size"]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    plain, _ = run("no speculation", target, None, prompts, params, args.dtype)
+    plain, _ = run("no speculation", target, None, prompts, texts, params, args.dtype)
     chain_spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": block_size - 1}
-    chain, chain_stats = run("DFlash chain (vLLM in-tree)", target, chain_spec, prompts, params, args.dtype)
+    chain, chain_stats = run("DFlash chain (vLLM in-tree)", target, chain_spec, prompts, texts, params, args.dtype)
     tree_spec = {"method": "ddtree", "model": str(drafter), "num_speculative_tokens": args.budget}
-    tree, tree_stats = run(f"DDTree (B={args.budget})", target, tree_spec, prompts, params, args.dtype)
+    tree, tree_stats = run(f"DDTree (B={args.budget})", target, tree_spec, prompts, texts, params, args.dtype)
     print("\n=== summary ===")
     print(f"acceptance length: chain {chain_stats['acceptance_length']}, tree {tree_stats['acceptance_length']}")
     print(f"tree output identical to no speculation: {tree == plain}; chain: {chain == plain}")
