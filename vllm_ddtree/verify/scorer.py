@@ -27,7 +27,8 @@ def walk_step(
     max_depth: int,
 ) -> WalkResult:
     target = node_choices.to(torch.int64)[step.node_rows]  # [R, N]
-    return walk_tree(tokens, step.parents, step.depths, target, step.num_nodes, max_depth)
+    num_walk_nodes = step.num_nodes if step.num_walk_nodes is None else step.num_walk_nodes
+    return walk_tree(tokens, step.parents, step.depths, target, num_walk_nodes, max_depth)
 
 
 def sampled_token_ids(walk: WalkResult, width: int) -> torch.Tensor:

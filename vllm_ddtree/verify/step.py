@@ -24,6 +24,9 @@ class TreeStep:
     num_nodes_cpu: np.ndarray  # [R] host copy of num_nodes
     tree_reqs_cpu: np.ndarray  # [T] requests with at least one draft node
     tree_reqs: torch.Tensor | None = None  # [T] int64 device copy of tree_reqs_cpu
+    # [R] int64, nodes the walk may accept (root included): num_nodes, except 1 for a request whose drafts are
+    # vLLM's placeholders (see `build_tree_step`). None: num_nodes.
+    num_walk_nodes: torch.Tensor | None = None
 
     @property
     def width(self) -> int:
@@ -59,20 +62,35 @@ def build_tree_step(
     row_start = np.cumsum(num_nodes_cpu) - num_nodes_cpu
     tree_reqs_cpu = np.flatnonzero(num_nodes_cpu > 1)
     prev_cpu = np.asarray(prev_rows, dtype=np.int64)[tree_reqs_cpu]
-    # One host-to-device upload for every host-side index of the step: [R | R*N | R*N | T | T].
+    # A request with drafts but no kept tree: vLLM's scheduler pads a new request that needs one token (e.g. a
+    # one-token prompt joining a decode batch) with placeholder drafts (-1) to a full speculative step. Like vLLM,
+    # never accept them: they are laid out as a chain and the walk sees the root only.
+    placeholder_cpu = prev_cpu < 0
+    num_walk_nodes_cpu = num_nodes_cpu.copy()
+    num_walk_nodes_cpu[tree_reqs_cpu[placeholder_cpu]] = 1
+    # One host-to-device upload for every host-side index of the step: [R | R*N | R*N | T | T | R].
     packed = to_device(np.concatenate([num_nodes_cpu, (row_start[:, None] + node_cpu).ravel(), node_cpu.ravel(),
-                                       tree_reqs_cpu, prev_cpu]), device)
-    sizes = [num_reqs, num_reqs * width, num_reqs * width, tree_reqs_cpu.size, tree_reqs_cpu.size]
-    num_nodes, node_rows, node, tree_reqs, prev = torch.split(packed, sizes)
+                                       tree_reqs_cpu, prev_cpu, num_walk_nodes_cpu]), device)
+    sizes = [num_reqs, num_reqs * width, num_reqs * width, tree_reqs_cpu.size, tree_reqs_cpu.size, num_reqs]
+    num_nodes, node_rows, node, tree_reqs, prev, num_walk_nodes = torch.split(packed, sizes)
     node_rows = node_rows.view(num_reqs, width)
     node = node.view(num_reqs, width)
 
     parents = torch.full((num_reqs, width), -1, dtype=torch.int64, device=device)
     depths = torch.zeros((num_reqs, width), dtype=torch.int64, device=device)
-    if tree_reqs_cpu.size:
+    if tree_reqs_cpu.size and not placeholder_cpu.any():
         assert prev_parents is not None and prev_depths is not None
         parents[tree_reqs] = prev_parents[prev]
         depths[tree_reqs] = prev_depths[prev]
+    elif tree_reqs_cpu.size:
+        chain = torch.arange(width, device=device).expand(tree_reqs_cpu.size, width)  # [T, N]
+        tree_parents, tree_depths = chain - 1, chain
+        if prev_parents is not None and prev_depths is not None:
+            kept = (prev >= 0)[:, None]  # [T, 1]
+            tree_parents = torch.where(kept, prev_parents[prev.clamp(min=0)], tree_parents)
+            tree_depths = torch.where(kept, prev_depths[prev.clamp(min=0)], tree_depths)
+        parents[tree_reqs] = tree_parents
+        depths[tree_reqs] = tree_depths
     depths = depths.gather(1, node)
     return TreeStep(
         num_nodes=num_nodes,
@@ -83,6 +101,7 @@ def build_tree_step(
         num_nodes_cpu=num_nodes_cpu,
         tree_reqs_cpu=tree_reqs_cpu,
         tree_reqs=tree_reqs,
+        num_walk_nodes=num_walk_nodes,
     )
 
 
