@@ -42,8 +42,12 @@ def _qwen3_config(num_layers: int, vocab_size: int) -> dict:
     }
 
 
-def make_tiny_target(out_dir: Path, num_layers: int = 2, vocab_size: int = TINY_VOCAB, seed: int = 0) -> Path:
-    """A random Qwen3ForCausalLM (hidden 64, head_dim 32) saved with transformers."""
+def make_tiny_target(
+    out_dir: Path, num_layers: int = 2, vocab_size: int = TINY_VOCAB, seed: int = 0, lm_head_scale: float = 8.0
+) -> Path:
+    """A random Qwen3ForCausalLM (hidden 64, head_dim 32) saved with transformers.
+
+    `lm_head_scale` sharpens the next-token distributions (16 with a 64-token vocabulary: ~2 nats per token)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     out_dir = Path(out_dir)
@@ -55,7 +59,7 @@ def make_tiny_target(out_dir: Path, num_layers: int = 2, vocab_size: int = TINY_
     model = Qwen3ForCausalLM(config)
     # Larger-than-default logits make greedy choices well separated (no near-ties between float paths).
     with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
+        model.lm_head.weight.mul_(lm_head_scale)
     model.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": TINY_EOS, "bos_token_id": 1}))
     return out_dir

@@ -25,7 +25,7 @@ import vllm
 from vllm.engine.arg_utils import EngineArgs
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
-from vllm.v1.outputs import SamplerOutput
+from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -109,6 +109,7 @@ __all__ = [
     "DFlashProposer",
     "EngineArgs",
     "GPUModelRunner",
+    "LogprobsTensors",
     "PLACEHOLDER_TOKEN_ID",
     "SamplerOutput",
     "SamplingParams",

@@ -16,8 +16,10 @@ def unsupported_reason(params) -> tuple[str, str] | None:
         return "bad_words", f"bad_words is not supported with DDTree yet; {_HOW}"
     if getattr(params, "min_tokens", 0):
         return "min_tokens", f"min_tokens={params.min_tokens} is not supported with DDTree yet; use min_tokens=0"
-    if getattr(params, "logprobs", None) is not None:
-        return "logprobs", f"logprobs={params.logprobs} is not supported with DDTree yet; leave logprobs unset"
+    if getattr(params, "logprob_token_ids", None) is not None:
+        return "logprob_token_ids", f"logprob_token_ids is not supported with DDTree yet; use logprobs; {_HOW}"
+    if getattr(params, "thinking_token_budget", None) is not None:
+        return "thinking_token_budget", f"thinking_token_budget is not supported with DDTree yet; {_HOW}"
     return None
 
 

@@ -22,7 +22,7 @@ from vllm_ddtree.attention.layers import target_attention_layers, wrap_tree_atte
 from vllm_ddtree.attention.metadata import ATTRIBUTE as TREE_METADATA, TreeAttentionMetadataBuilder
 from vllm_ddtree.kv.compact import compact_accepted_kv_, slot_mapping_of
 from vllm_ddtree.tree import WalkResult
-from vllm_ddtree.verify.scorer import accepted_path_moves, node_tokens, sampled_token_ids, walk_step
+from vllm_ddtree.verify.scorer import accepted_path_moves, node_tokens, output_logprobs, sampled_token_ids, walk_step
 from vllm_ddtree.verify.step import TreeStep, build_tree_step, chain_positions_, tree_positions_
 
 
@@ -30,7 +30,7 @@ from vllm_ddtree.verify.step import TreeStep, build_tree_step, chain_positions_,
 class DDTreeRunnerState:
     budget: int
     depth: int
-    # Trees proposed in the previous step, by row; `prev_rows` maps request ids to those rows.
+    # Trees whose drafts vLLM may schedule next, by row; `prev_rows` maps request ids to those rows.
     prev_parents: torch.Tensor | None = None  # [R_prev, B + 1]
     prev_depths: torch.Tensor | None = None  # [R_prev, B + 1]
     prev_rows: dict[str, int] = field(default_factory=dict)
@@ -48,6 +48,29 @@ class DDTreeRunnerState:
     @property
     def width(self) -> int:
         return self.budget + 1
+
+
+def remember_trees_(state: DDTreeRunnerState, tree, req_ids: list[str], live_req_ids) -> None:
+    """Keep the trees just proposed (row i: `req_ids[i]`) for the next step's verification, and the older trees
+    of live requests that were not scheduled this step: vLLM keeps their drafts and verifies them whenever the
+    request is scheduled again (a step's token budget can leave running requests out)."""
+    scheduled = set(req_ids)
+    carried = [req_id for req_id in state.prev_rows if req_id not in scheduled and req_id in live_req_ids]
+    parents, depths, rows = [], [], {}
+    if tree is not None:
+        parents.append(tree.parents)
+        depths.append(tree.depths)
+        rows = {req_id: row for row, req_id in enumerate(req_ids)}
+    if carried:
+        assert state.prev_parents is not None and state.prev_depths is not None
+        old_rows = torch.tensor([state.prev_rows[req_id] for req_id in carried], device=state.prev_parents.device)
+        offset = parents[0].shape[0] if parents else 0
+        parents.append(state.prev_parents[old_rows])
+        depths.append(state.prev_depths[old_rows])
+        rows.update({req_id: offset + i for i, req_id in enumerate(carried)})
+    state.prev_parents = torch.cat(parents) if parents else None
+    state.prev_depths = torch.cat(depths) if depths else None
+    state.prev_rows = rows
 
 
 def _hook(cls, name: str):
@@ -171,15 +194,15 @@ def install_runner_hooks() -> None:
         state = self._ddtree
         if state is None or spec_decode_metadata is None or state.step is None:
             return original(self, logits, spec_decode_metadata)
-        from vllm_ddtree.verify.sampling import node_choices
+        from vllm_ddtree.verify.sampling import choose_nodes
 
         state.timer.mark("verify_forward")
         sampling_metadata = self.input_batch.sampling_metadata
         self.input_batch.update_async_output_token_ids()
         step = state.step
         tokens = node_tokens(step, self.input_ids.gpu)  # [R, N]
-        choices = node_choices(logits, step, sampling_metadata, tokens)  # [rows]
-        state.walk = walk_step(step, choices, tokens, state.depth)
+        choices = choose_nodes(logits, step, sampling_metadata, tokens)  # [rows] tokens, [rows, V] processed logits
+        state.walk = walk_step(step, choices.token_ids, tokens, state.depth)
         state.moves = accepted_path_moves(step, state.walk)
         state.timer.mark("walk")
         compact_accepted_kv_(
@@ -192,7 +215,17 @@ def install_runner_hooks() -> None:
         )
         state.timer.mark("kv_compaction")
         output = sampled_token_ids(state.walk, state.width).to(torch.int32)
-        return SamplerOutput(sampled_token_ids=output, logprobs_tensors=None)
+        logprobs = None
+        if sampling_metadata.max_num_logprobs is not None:
+            from vllm_ddtree.compat import LogprobsTensors
+
+            mode = self.model_config.logprobs_mode  # raw_logprobs (default), raw_logits, processed_*
+            source = choices.processed_logits if mode.startswith("processed") else logits
+            fields = output_logprobs(
+                source, step, state.walk, output, sampling_metadata.max_num_logprobs, mode.endswith("logprobs")
+            )
+            logprobs = LogprobsTensors(*fields)
+        return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
 
     @_hook(GPUModelRunner, "propose_draft_token_ids")
     def propose_draft_token_ids(
@@ -230,10 +263,7 @@ def install_runner_hooks() -> None:
         )
         if state is not None:
             state.timer.mark("draft_other")
-            tree = self.drafter.last_tree
-            state.prev_parents = None if tree is None else tree.parents
-            state.prev_depths = None if tree is None else tree.depths
-            state.prev_rows = {req_id: row for row, req_id in enumerate(self.input_batch.req_ids)}
+            remember_trees_(state, self.drafter.last_tree, self.input_batch.req_ids, self.requests)
         return draft_token_ids
 
 

@@ -97,3 +97,18 @@ def close(llm) -> None:
 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+class Engine:
+    """An `LLM` no reference to which outlives `close()`: an engine collected later runs vLLM's shutdown again from
+    its destructor and tears down the process groups of the engine started after it (one engine per process at a
+    time). Use it where an engine lives in a fixture."""
+
+    def __init__(self, target: str, spec: dict | None, **engine_kwargs):
+        self.llm = make_llm(target, spec, **engine_kwargs)
+
+    def close(self) -> None:
+        llm, self.llm = self.llm, None
+        close(llm)
+        del llm
+        gc.collect()

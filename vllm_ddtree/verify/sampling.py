@@ -1,15 +1,18 @@
 """The target's choice at each tree node.
 
-Greedy requests take the argmax. Sampled requests draw one token per node from the target's processed
-distribution at that node: penalties counted along the node's own root path, then temperature, top-k/top-p
-(vLLM's own `apply_top_k_top_p`), then an exponential race (argmax p / q, q ~ Exp(1)) drawn from the request's
-generator when it has a seed. Each node's sample is independent of the drafter, so walking the tree along the
-samples yields tokens distributed exactly as the target's (the DDTree verification rule).
+Greedy requests take the argmax, sampled requests draw one token per node from the target's processed
+distribution at that node. Both see the allowed-token mask and penalties counted along the node's own root path;
+sampled requests then apply temperature, top-k/top-p (vLLM's own `apply_top_k_top_p`) and an exponential race
+(argmax p / q, q ~ Exp(1)) drawn from the request's generator when it has a seed. Each node's sample is
+independent of the drafter, so walking the tree along the samples yields tokens distributed exactly as the
+target's (the DDTree verification rule).
 
 Only SamplingMetadata fields are read; every tensor stays on the logits' device.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -93,17 +96,28 @@ def exponential_noise(
     return q
 
 
-def node_choices(
+@dataclass
+class NodeChoices:
+    token_ids: torch.Tensor  # [rows] the target's token at every logits row
+    processed_logits: torch.Tensor  # [rows, V] logits the choice was made from (vLLM's "processed" logits)
+
+
+def choose_nodes(
     logits: torch.Tensor,  # [rows, V]
     step: TreeStep,
     sampling_metadata,
     node_tokens: torch.Tensor,  # [R, N] token of every node
-) -> torch.Tensor:
-    """[rows] the target's token at every logits row (one row per tree node)."""
+) -> NodeChoices:
+    """The target's token at every logits row (one row per tree node), and the processed logits behind it.
+
+    The processing follows vLLM's `Sampler`: allowed-token mask, penalties (greedy rows take the argmax here),
+    then temperature, top-k/top-p and the exponential race for sampled rows. `logits` is not modified.
+    """
     from vllm_ddtree.compat import apply_top_k_top_p
 
-    if sampling_metadata.all_greedy and sampling_metadata.no_penalties:
-        return logits.argmax(dim=-1)
+    unprocessed = sampling_metadata.no_penalties and sampling_metadata.allowed_token_ids_mask is None
+    if sampling_metadata.all_greedy and unprocessed:
+        return NodeChoices(logits.argmax(dim=-1), logits)
     node_req = node_requests(step)
     logits = logits.to(torch.float32)
     if sampling_metadata.allowed_token_ids_mask is not None:
@@ -112,7 +126,7 @@ def node_choices(
         logits = apply_penalties_(logits, node_req, step, node_tokens, sampling_metadata)
     greedy = logits.argmax(dim=-1)
     if sampling_metadata.all_greedy:
-        return greedy
+        return NodeChoices(greedy, logits)
     temperature = sampling_metadata.temperature[node_req]
     is_greedy = temperature < _SAMPLING_EPS
     logits = logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(1)
@@ -122,4 +136,14 @@ def node_choices(
     probs = logits.softmax(dim=-1)
     q = exponential_noise(probs.shape, node_req, step, sampling_metadata.generators, probs.device)
     sampled = probs.div_(q).argmax(dim=-1)
-    return torch.where(is_greedy, greedy, sampled)
+    return NodeChoices(torch.where(is_greedy, greedy, sampled), logits)
+
+
+def node_choices(
+    logits: torch.Tensor,  # [rows, V]
+    step: TreeStep,
+    sampling_metadata,
+    node_tokens: torch.Tensor,  # [R, N] token of every node
+) -> torch.Tensor:
+    """[rows] the target's token at every logits row (one row per tree node)."""
+    return choose_nodes(logits, step, sampling_metadata, node_tokens).token_ids

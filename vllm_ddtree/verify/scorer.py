@@ -59,3 +59,39 @@ def accepted_path_moves(step: TreeStep, walk: WalkResult) -> tuple[torch.Tensor,
     src = step.node_token_index.gather(1, src_node)
     dst = step.node_token_index.gather(1, index)
     return src.flatten(), dst.flatten()
+
+
+def output_logprobs(
+    logits: torch.Tensor,  # [rows, V] raw or processed target logits
+    step: TreeStep,
+    walk: WalkResult,
+    output_token_ids: torch.Tensor,  # [R, W] as returned by `sampled_token_ids`, -1 padded
+    num_logprobs: int,
+    as_logprobs: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM's `LogprobsTensors` fields for every output slot, rows in `output_token_ids.flatten()` order.
+
+    Output token j is the target's choice at path node j, so its logprobs come from that node's logits row
+    (log-softmax of it when `as_logprobs`, else the logits themselves). Like vLLM's rejection sampler, each row
+    holds the token's value then the top `num_logprobs`; slots past the path are zeros (vLLM drops them).
+    Returns token ids [R * W, K + 1] int32, values [R * W, K + 1] float32, ranks [R * W] int64 (1 = the best).
+    """
+    num_reqs, width = output_token_ids.shape
+    cols = min(width, walk.path_nodes.shape[1])  # only the path's D + 1 slots can hold tokens
+    rows = step.node_rows.gather(1, walk.path_nodes[:, :cols].clamp(min=0))  # [R, C]; past the path: the root
+    values = logits[rows.flatten()].to(torch.float32)  # [R * C, V]
+    if as_logprobs:
+        values = values.log_softmax(dim=-1)
+    tokens = output_token_ids[:, :cols].to(torch.int64).clamp(min=0).reshape(-1, 1)  # [R * C, 1]
+    token_values = values.gather(1, tokens)
+    ranks = (values >= token_values).sum(dim=-1)  # [R * C]
+    top_values, top_ids = values.topk(num_logprobs, dim=-1)
+    ids = torch.cat([tokens, top_ids], dim=1).to(torch.int32)
+    vals = torch.cat([token_values, top_values], dim=1)
+
+    def widen(x: torch.Tensor) -> torch.Tensor:  # [R * C, ...] -> [R * W, ...], zeros in the new slots
+        x = x.view(num_reqs, cols, *x.shape[1:])
+        pad = x.new_zeros((num_reqs, width - cols, *x.shape[2:]))
+        return torch.cat([x, pad], dim=1).flatten(0, 1)
+
+    return widen(ids), widen(vals), widen(ranks)
