@@ -23,12 +23,7 @@ TOL = 1e-4
 CASES = [(7, "raw_logprobs"), (3, "processed_logprobs")]  # (budget, logprobs_mode)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    threads = torch.get_num_threads()
-    torch._C.set_num_threads(1)  # torch.set_num_threads is replaced by vLLM's CPU worker once an engine exists
-    yield
-    torch._C.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.fixture(scope="module")

@@ -35,13 +35,7 @@ MIXED_PROMPTS = [_rng.integers(0, VOCAB - 1, size=int(_rng.integers(1, 12))).tol
 MIXED_TOKENS = 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    """Small tensors: one thread is many times faster than two threads fighting other jobs for two cores."""
-    threads = torch.get_num_threads()
-    torch._C.set_num_threads(1)  # torch.set_num_threads is replaced by vLLM's CPU worker once an engine exists
-    yield
-    torch._C.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.fixture(scope="module")

@@ -36,13 +36,7 @@ NUM_SAMPLES = 50_000
 P_MIN = 1e-3  # the tests pass when the chi-square p-value is above this (fixed seeds: deterministic)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    """Small tensors: one thread keeps the run fast and steady on a shared, busy machine."""
-    threads = torch.get_num_threads()
-    torch._C.set_num_threads(1)  # torch.set_num_threads may have been replaced by vLLM's CPU worker
-    yield
-    torch._C.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 # --- the synthetic target ---------------------------------------------------------------------------------------

@@ -7,13 +7,7 @@ import tree_oracle as oracle
 from vllm_ddtree.tree import DraftTree, ancestor_mask, build_draft_tree, depths_from_parents, max_tree_nodes
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    """The tensors here are tiny; one thread keeps the run fast and steady on a shared, busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 BUDGETS = [1, 2, 3, 7, 8, 15, 16, 17, 31, 64, 255, 256]
 MAX_ENUMERATED = 2000  # prefixes per request above which only the heap oracle runs

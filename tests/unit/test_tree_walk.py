@@ -9,13 +9,7 @@ import tree_oracle as oracle
 from vllm_ddtree.tree import WalkResult, build_draft_tree, depths_from_parents, walk_tree
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    """The tensors here are tiny; one thread keeps the run fast and steady on a shared, busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def random_tree(rng: random.Random, n: int, max_depth: int, vocab: int) -> tuple[list[int], list[int]]:
