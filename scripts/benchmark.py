@@ -12,6 +12,7 @@ counters, differenced around the run). Writes JSON, a markdown table and PNG plo
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import time
@@ -43,7 +44,8 @@ def counters(llm) -> dict:
     return values
 
 
-def measure(llm, prompts, temperature: float, max_tokens: int, seed: int, ignore_eos: bool = True) -> dict:
+def measure(llm, prompts, batch: int, temperature: float, max_tokens: int, seed: int, ignore_eos: bool = True) -> dict:
+    """Generate for ``prompts`` in consecutive groups of ``batch`` submitted at once; time all groups together."""
     from vllm import SamplingParams
 
     params = SamplingParams(
@@ -51,7 +53,9 @@ def measure(llm, prompts, temperature: float, max_tokens: int, seed: int, ignore
     )
     before = counters(llm)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = []
+    for i in range(0, len(prompts), batch):
+        outputs += llm.generate(prompts[i : i + batch], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     after = counters(llm)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -62,7 +66,7 @@ def measure(llm, prompts, temperature: float, max_tokens: int, seed: int, ignore
         "output_tokens": tokens,
         "seconds": seconds,
         "output_tokens_per_s": tokens / seconds,
-        "ms_per_output_token": 1000 * seconds * len(outputs) / tokens,  # per request, all run together
+        "ms_per_output_token": 1000 * seconds * batch / tokens,  # per request: `batch` requests run together
         "acceptance_length": 1 + accepted / drafts if drafts else None,
         "acceptance_per_depth": [round(x / drafts, 4) for x in per_pos] if drafts else None,
     }
@@ -70,16 +74,18 @@ def measure(llm, prompts, temperature: float, max_tokens: int, seed: int, ignore
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| method | temperature | batch | tok/s | ms/token | acceptance length | speedup vs none |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| method | temperature | batch | tok/s | ms/token | acceptance length | speedup vs none | vs dflash |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    base = {(r["temperature"], r["batch"]): r["output_tokens_per_s"] for r in rows if r["method"] == "none"}
+    def ratio(r: dict, method: str) -> str:
+        base = [b for b in rows if b["method"] == method and (b["temperature"], b["batch"]) == (r["temperature"], r["batch"])]
+        return f"{r['output_tokens_per_s'] / base[0]['output_tokens_per_s']:.2f}x" if base else "-"
+
     for r in rows:
-        speedup = r["output_tokens_per_s"] / base[(r["temperature"], r["batch"])]
         acc = "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
         lines.append(
             f"| {r['method']} | {r['temperature']} | {r['batch']} | {r['output_tokens_per_s']:.1f} | "
-            f"{r['ms_per_output_token']:.2f} | {acc} | {speedup:.2f}x |"
+            f"{r['ms_per_output_token']:.2f} | {acc} | {ratio(r, 'none')} | {ratio(r, 'dflash')} |"
         )
     return "\n".join(lines)
 
@@ -112,7 +118,7 @@ def plot(rows: list[dict], out: Path) -> None:
 
 
 def load_prompts(args, tokenizer) -> list:
-    n = max(args.batch_sizes)
+    n = max(args.batch_sizes + [args.min_prompts])
     if args.load_format == "dummy":  # random weights: random token ids will do
         import random
 
@@ -125,7 +131,8 @@ def load_prompts(args, tokenizer) -> list:
     else:
         from vllm_ddtree.drafter.data import SOURCES, heldout_prompts
 
-        texts = [p.text for source in SOURCES for p in heldout_prompts(source, limit=n)]
+        by_source = [heldout_prompts(source, limit=n) for source in SOURCES]  # interleaved: every batch mixes them
+        texts = [p.text for group in itertools.zip_longest(*by_source) for p in group if p is not None]
     texts = (texts * (n // len(texts) + 1))[:n]
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         return [
@@ -138,6 +145,8 @@ def load_prompts(args, tokenizer) -> list:
 def main() -> None:
     from tqdm import tqdm
     from vllm import LLM
+
+    from vllm_ddtree.compat import shutdown_llm
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", required=True)
@@ -153,6 +162,10 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs / torch.compile")
     parser.add_argument("--stop-at-eos", action="store_true", help="end answers at EOS (default: fixed length)")
     parser.add_argument("--methods", nargs="+", default=None, help="subset of method names to run")
+    parser.add_argument("--min-prompts", type=int, default=16,
+                        help="prompts per measurement at least: small batch sizes run them in consecutive groups")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--resume", action="store_true", help="keep --out's results.json and skip methods it has")
     parser.add_argument("--out", default="bench-out")
     args = parser.parse_args()
 
@@ -161,34 +174,46 @@ def main() -> None:
     block_size = json.loads((Path(args.drafter) / "config.json").read_text())["block_size"] if args.drafter else 0
     plan = [m for m in methods(args.drafter, block_size, args.budgets) if not args.methods or m[0] in args.methods]
     rows: list[dict] = []
+    if args.resume and (out / "results.json").is_file():
+        rows = json.loads((out / "results.json").read_text())["rows"]
+        plan = [m for m in plan if m[0] not in {r["method"] for r in rows}]
     prompts = None
     progress = tqdm(total=len(plan) * len(args.temperatures) * len(args.batch_sizes), desc="benchmark")
     for name, spec in plan:
         start = time.perf_counter()
+        max_num_seqs = max(args.batch_sizes)
+        draft_slots = (spec["num_speculative_tokens"] + 2) if spec else 0
         llm = LLM(
             model=args.target, speculative_config=spec, dtype=args.dtype, max_model_len=args.max_model_len,
             load_format=args.load_format, enforce_eager=args.eager, disable_log_stats=False,
-            max_num_seqs=max(args.batch_sizes), seed=0, skip_tokenizer_init=args.load_format == "dummy",
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=8192 + max_num_seqs * draft_slots,
+            gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
+            skip_tokenizer_init=args.load_format == "dummy",
         )
         init_s = time.perf_counter() - start
         if prompts is None:
             prompts = load_prompts(args, llm.get_tokenizer() if args.load_format != "dummy" else None)
-        measure(llm, prompts[:2], 0.0, 8, seed=0)  # warm-up
+        measure(llm, prompts[:2], 2, 0.0, 8, seed=0)  # warm-up
         for temperature in args.temperatures:
             for batch in args.batch_sizes:
-                result = measure(llm, prompts[:batch], temperature, args.max_tokens, 1, not args.stop_at_eos)
-                rows.append({"method": name, "temperature": temperature, "batch": batch, "init_s": init_s, **result})
+                group = prompts[: max(batch, args.min_prompts)]
+                result = measure(llm, group, batch, temperature, args.max_tokens, 1, not args.stop_at_eos)
+                rows.append({"method": name, "temperature": temperature, "batch": batch, "prompts": len(group),
+                             "init_s": init_s, **result})
                 progress.update()
                 progress.set_postfix(method=name, T=temperature, batch=batch,
                                      tok_s=round(result["output_tokens_per_s"], 1))
+        shutdown_llm(llm)  # its GPU memory goes back before the next method's engine starts
         del llm
+        write_results(out, args, rows)  # after every method: a run cut short keeps what it measured
     progress.close()
-    table = markdown_table(rows)
-    print(table)
-    setup = {k: v for k, v in vars(args).items()}
-    (out / "results.json").write_text(json.dumps({"setup": setup, "rows": rows}, indent=2))
-    (out / "table.md").write_text(table + "\n")
+    print(markdown_table(rows))
     plot(rows, out)
+
+
+def write_results(out: Path, args, rows: list[dict]) -> None:
+    (out / "results.json").write_text(json.dumps({"setup": vars(args), "rows": rows}, indent=2))
+    (out / "table.md").write_text(markdown_table(rows) + "\n")
 
 
 if __name__ == "__main__":

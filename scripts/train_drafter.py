@@ -50,6 +50,8 @@ def parse_args(argv=None) -> TrainConfig:
     p.add_argument("--seed", type=int, default=defaults["seed"])
     p.add_argument("--device", default=defaults["device"], help="auto (cuda if available), cuda or cpu")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default=defaults["dtype"])
+    p.add_argument("--save-dtype", choices=("bfloat16", "float32"), default=defaults["save_dtype"],
+                   help="dtype of the final drafter's weights")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT")
     args = vars(p.parse_args(argv))

@@ -88,9 +88,9 @@ def run(target: str, spec: dict | None, prompts, sampling_params, **engine_kwarg
 
 
 def close(llm) -> None:
-    engine_core = getattr(llm.llm_engine, "engine_core", None)
-    if engine_core is not None and hasattr(engine_core, "shutdown"):
-        engine_core.shutdown()
+    from vllm_ddtree.compat import shutdown_llm
+
+    shutdown_llm(llm)
     del llm
     gc.collect()
     import torch

@@ -57,6 +57,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     dtype: str = "auto"  # of the target: "auto" = bfloat16 on GPU, float32 on CPU
+    save_dtype: str = "bfloat16"  # of the final drafter's weights (checkpoints keep float32)
     resume: bool = False
 
 
@@ -446,7 +447,7 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
             _save_checkpoint(out, step + 1, drafter, optimizer, scheduler, rng)
 
-    final = drafter.save(out / "drafter")
+    final = drafter.save(out / "drafter", dtype=getattr(torch, cfg.save_dtype))
     report = {"steps": cfg.steps, "final_loss": loss.item() if cfg.steps > start else None}
     if eval_seqs:
         report["simulated_acceptance_length"] = simulate_acceptance(drafter, target, eval_seqs, pad_id)

@@ -1,0 +1,60 @@
+#!/usr/bin/env python
+"""Pack what drafter training needs on the H200 device machine, which has no network and none of the data packages.
+
+    python scripts/gpu_data.py    # writes .gpu/data/pkgs.tar.xz (prompts, the gguf reader), .gpu/g1, .gpu/g2 (the GGUF)
+
+`scripts/gpu_train.sh` unpacks the tarball to /tmp/pkgs and puts it on PYTHONPATH: the folders there mirror the installed
+packages' layout (namespace packages holding only the files `vllm_ddtree.drafter.data` and
+`vllm_ddtree.models.smollm2` read), so the same code finds them. ShareGPT keeps only each record's id and first
+human turn (what training reads; the held-out split depends on the id alone). The 98 MB GGUF travels in two halves
+(one device call carries at most 64 MiB); `scripts/gpu_train.sh` joins them.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from vllm_ddtree.drafter import data  # noqa: E402
+from vllm_ddtree.models.smollm2 import GGUF_FILE, gguf_path  # noqa: E402
+
+
+def mirror(source: str, pkgs: Path) -> Path:
+    """Destination of a source's data file under ``pkgs``, at the path ``data.package_file`` looks for."""
+    package, relative, _ = data._PACKAGE_FILES[source]
+    dest = pkgs / package / relative
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    return dest
+
+
+def main() -> None:
+    gpu = ROOT / ".gpu"
+    pkgs = gpu / "data" / "pkgs"
+    shutil.rmtree(gpu / "data", ignore_errors=True)
+    records = [{"id": p.id, "conversations": [{"from": "human", "value": p.text}]} for p in data._load_all("sharegpt")]
+    mirror("sharegpt", pkgs).write_text(json.dumps(records))
+    for source in ("mtbench", "humaneval"):
+        shutil.copyfile(data.package_file(source), mirror(source, pkgs))
+    import gguf
+
+    shutil.copytree(Path(gguf.__file__).parent, pkgs / "gguf", ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(["tar", "-C", str(pkgs), "-cJf", str(gpu / "data" / "pkgs.tar.xz"), "."], check=True)
+    shutil.rmtree(pkgs)
+    blob = gguf_path().read_bytes()
+    half = len(blob) // 2
+    for i, part in enumerate((blob[:half], blob[half:])):
+        folder = gpu / f"g{i + 1}"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        (folder / f"{GGUF_FILE}.part{i}").write_bytes(part)
+    for folder in ("data", "g1", "g2"):
+        size = sum(f.stat().st_size for f in (gpu / folder).rglob("*") if f.is_file())
+        print(f".gpu/{folder}: {size / 2**20:.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()
