@@ -46,6 +46,8 @@ def parse_args(argv=None) -> TrainConfig:
     p.add_argument("--weight-decay", type=float, default=defaults["weight_decay"])
     p.add_argument("--loss-decay", type=float, default=None, help="gamma: offset k weighs exp(-(k-1)/gamma)")
     p.add_argument("--save-every", type=int, default=defaults["save_every"])
+    p.add_argument("--eval-every", type=int, default=defaults["eval_every"],
+                   help="held-out loss and first-offset accuracy every N steps (0: never)")
     p.add_argument("--eval-prompts", type=int, default=defaults["eval_prompts"], help="held-out prompts per source")
     p.add_argument("--seed", type=int, default=defaults["seed"])
     p.add_argument("--device", default=defaults["device"], help="auto (cuda if available), cuda or cpu")

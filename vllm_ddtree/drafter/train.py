@@ -53,6 +53,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     loss_decay: float | None = None  # gamma: weight of offset k is exp(-(k - 1) / gamma); None = uniform
     save_every: int = 500
+    eval_every: int = 250  # held-out loss / first-offset accuracy every N steps (0: never)
     eval_prompts: int = 16
     seed: int = 0
     device: str = "auto"
@@ -225,6 +226,8 @@ def generate_responses_vllm(
 
     from vllm import LLM, SamplingParams
 
+    from vllm_ddtree.compat import shutdown_llm
+
     max_model_len = max(len(p) for p in prompts) + max_new_tokens
     # On CPU, compiled mode produced wrong SmolLM2 chat output (docs/drafter.md): run eagerly there.
     on_cpu = not torch.cuda.is_available()
@@ -235,6 +238,7 @@ def generate_responses_vllm(
     params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed if temperature > 0 else None)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     responses = [list(o.outputs[0].token_ids) for o in outs]
+    shutdown_llm(llm)
     del llm
     gc.collect()
     if torch.cuda.is_available():
@@ -430,6 +434,15 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
     layer_ids = drafter.config.target_layer_ids
     use_bf16 = device.type == "cuda" and target.dtype == torch.bfloat16
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
+    passes = cfg.steps * min(cfg.batch_size, len(seqs)) / len(seqs)
+    if passes > 4:
+        print(f"warning: {cfg.steps} steps x {cfg.batch_size} sequences = {passes:.0f} passes over {len(seqs)} "
+              "responses: the drafter may memorise them (watch the held-out loss); add prompts or cut steps")
+    heldout_batch = None
+    if eval_seqs and cfg.eval_every:
+        heldout_batch = sample_blocks(eval_seqs[: cfg.batch_size], drafter.config.block_size, cfg.anchors_per_seq,
+                                      drafter.config.mask_token_id, pad_id, random.Random(cfg.seed + 1))
+    curve: list[dict] = []
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="training", unit="step")
     for step in bar:
         batch = sample_blocks(rng.sample(seqs, min(cfg.batch_size, len(seqs))), drafter.config.block_size,
@@ -443,12 +456,22 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
         optimizer.step()
         scheduler.step()
         lr = scheduler.get_last_lr()[0]
-        bar.set_postfix(loss=f"{loss.item():.3f}", acc1=f"{accuracy[0].item():.2f}", lr=f"{lr:.1e}")
+        postfix = dict(loss=f"{loss.item():.3f}", acc1=f"{accuracy[0].item():.2f}", lr=f"{lr:.1e}")
+        if heldout_batch is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+            with torch.no_grad(), autocast:
+                features = target_features(target, heldout_batch.input_ids.to(device),
+                                           heldout_batch.seq_lens.to(device), layer_ids)
+                val_loss, val_accuracy = block_loss(drafter, heldout_batch, features, cfg.loss_decay)
+            curve.append({"step": step + 1, "train_loss": round(loss.item(), 4), "heldout_loss": round(val_loss.item(), 4),
+                          "heldout_acc1": round(val_accuracy[0].item(), 4)})
+            bar.write(json.dumps(curve[-1]))
+        bar.set_postfix(postfix)
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
             _save_checkpoint(out, step + 1, drafter, optimizer, scheduler, rng)
 
     final = drafter.save(out / "drafter", dtype=getattr(torch, cfg.save_dtype))
-    report = {"steps": cfg.steps, "final_loss": loss.item() if cfg.steps > start else None}
+    report = {"steps": cfg.steps, "final_loss": loss.item() if cfg.steps > start else None,
+              "responses": len(seqs), "passes": round(passes, 2), "heldout_curve": curve}
     if eval_seqs:
         report["simulated_acceptance_length"] = simulate_acceptance(drafter, target, eval_seqs, pad_id)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
