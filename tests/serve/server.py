@@ -178,6 +178,10 @@ def start_server(
         PYTHONUNBUFFERED="1",
     )
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # tests/conftest.py turns it off for in-process engines
+    # The server runs this checkout's plugin, not whatever `pip install -e` last pointed the installed plugin at
+    # (another clone or worktree; a reinstall in progress leaves no plugin at all). The entry point only names the
+    # module, so the first `vllm_ddtree` on the path is the one vLLM loads.
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     log_path = Path(log_dir) / f"{name}.log"
     log = open(log_path, "w")
     process = subprocess.Popen(
