@@ -66,7 +66,8 @@ class TreeMetrics:
             return
         self.nodes[engine_idx].inc(stats.num_draft_tokens + stats.num_drafts)
         histogram = self.accepted_depth[engine_idx]
-        for d, count in enumerate(accepted_depth_counts(stats.num_drafts, stats.num_accepted_tokens_per_pos, self.depth)):
+        counts = accepted_depth_counts(stats.num_drafts, stats.num_accepted_tokens_per_pos, self.depth)
+        for d, count in enumerate(counts):
             for _ in range(count):
                 histogram.observe(d)
 
