@@ -105,6 +105,16 @@ def validation_error(message: str, parameter: str) -> ValueError:
     return VLLMValidationError(message, parameter=parameter)
 
 
+def metrics_loggers() -> tuple[type, type]:
+    """(PrometheusStatLogger, SpecDecodingProm): the API server's /metrics logger, and the class it instantiates
+    for the spec-decode counters (its `_spec_decoding_cls`). Same in 0.26 and 0.32: SpecDecodingProm(
+    speculative_config, labelnames, per_engine_labelvalues, is_diffusion=False) and .observe(stats, engine_idx)."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+    from vllm.v1.spec_decode.metrics import SpecDecodingProm
+
+    return PrometheusStatLogger, SpecDecodingProm
+
+
 __all__ = [
     "DFlashProposer",
     "EngineArgs",
@@ -119,6 +129,7 @@ __all__ = [
     "disable_full_cuda_graphs",
     "flash_attn_varlen",
     "init_logger",
+    "metrics_loggers",
     "prepare_inputs_outputs",
     "validation_error",
 ]

@@ -22,6 +22,15 @@ REPO = Path(__file__).resolve().parents[2]
 CLI = REPO / "scripts" / "vllm_cpu_cli.py"
 MODEL_NAME = "tiny"
 START_TIMEOUT_S = float(os.environ.get("DDTREE_SERVE_START_TIMEOUT", 900))
+# How long the server keeps an idle keep-alive connection open (uvicorn's timeout_keep_alive; vLLM's default is 5 s).
+# The test clients (openai -> httpx) drop idle connections after 5 s themselves. With both at 5 s a request sent on a
+# connection idle for almost 5 s races the server's keep-alive timer, and on a loaded 2-core machine the API server's
+# event loop is regularly not scheduled for a while: when it runs again the expired timer fires before the request
+# is read, the server closes the connection with the request unread, and the client gets a connection reset
+# (httpcore ReadError -> openai.APIConnectionError) while the server logs nothing. That failed the soak in the final
+# check of stop 9 (the SIGTERM in that log is the fixture's teardown at the end of the session). With the server
+# keeping connections far longer than any client does, only clients close idle connections, which is safe.
+SERVER_KEEPALIVE_S = 600
 
 
 def free_port() -> int:
@@ -176,8 +185,13 @@ def start_server(
         VLLM_NO_USAGE_STATS="1",
         VLLM_DO_NOT_TRACK="1",
         PYTHONUNBUFFERED="1",
+        VLLM_HTTP_TIMEOUT_KEEP_ALIVE=str(SERVER_KEEPALIVE_S),
     )
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # tests/conftest.py turns it off for in-process engines
+    # The server runs this checkout's plugin, not whatever `pip install -e` last pointed the installed plugin at
+    # (another clone or worktree; a reinstall in progress leaves no plugin at all). The entry point only names the
+    # module, so the first `vllm_ddtree` on the path is the one vLLM loads.
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     log_path = Path(log_dir) / f"{name}.log"
     log = open(log_path, "w")
     process = subprocess.Popen(

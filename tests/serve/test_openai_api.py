@@ -13,6 +13,7 @@ import asyncio
 import openai
 import pytest
 
+from tests.serve.counters import check_tree_metrics, minus, spec_counters, tree_metrics
 from tests.serve.pair import BUDGET, DEPTH, prompts
 from tests.serve.server import MODEL_NAME
 
@@ -258,20 +259,10 @@ def test_bad_request_is_a_400_and_the_server_keeps_serving(client, plain_client,
     assert summary(complete(client, "spell dog:")) == summary(complete(plain_client, "spell dog:"))
 
 
-def _spec_counters(metrics: dict[str, float]) -> tuple[float, float, float, list[float]]:
-    per_position = [metrics[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'] for i in range(BUDGET)]
-    return (
-        metrics["vllm:spec_decode_num_drafts_total"],
-        metrics["vllm:spec_decode_num_draft_tokens_total"],
-        metrics["vllm:spec_decode_num_accepted_tokens_total"],
-        per_position,
-    )
-
-
 def test_spec_decode_metrics_describe_trees(ddtree_server, client):
-    before = _spec_counters(ddtree_server.settle())
+    before = spec_counters(ddtree_server.settle())
     response = complete(client, LONG_PROMPT, max_tokens=200)
-    after = _spec_counters(ddtree_server.settle())  # the settling request is prefill-only: no drafts verified
+    after = spec_counters(ddtree_server.settle())  # the settling request is prefill-only: no drafts verified
     drafts, draft_tokens, accepted = (a - b for a, b in zip(after[:3], before[:3]))
     per_position = [a - b for a, b in zip(after[3], before[3])]
     generated = response.usage.completion_tokens
@@ -292,3 +283,22 @@ def test_spec_decode_metrics_describe_trees(ddtree_server, client):
     # Session-wide: the same identities over every request served so far.
     drafts, draft_tokens, accepted, per_position = after
     assert sum(per_position) == accepted <= draft_tokens <= BUDGET * drafts
+
+
+def test_tree_metrics_match_spec_decode_counters(ddtree_server, plain_server, client):
+    before = ddtree_server.settle()
+    response = complete(client, LONG_PROMPT, max_tokens=200)
+    after = ddtree_server.settle()  # the settling request is prefill-only: no tree verified
+    spec = minus(spec_counters(after), spec_counters(before))
+    tree = minus(tree_metrics(after), tree_metrics(before))
+    drafts = spec[0]
+    assert drafts > 0 and response.usage.completion_tokens > DEPTH
+    check_tree_metrics(spec, tree)
+    # One request far from max_model_len: every verified tree is full (B draft nodes + the root).
+    assert tree[0] == drafts * (BUDGET + 1), (tree[0], drafts)
+    assert tree[1][0] < drafts  # the trained pair accepts draft nodes
+
+    # Session-wide: the same identities over every request served so far (test_soak checks them again).
+    check_tree_metrics(spec_counters(after), tree_metrics(after))
+    # Only a DDTree server has them.
+    assert not [name for name in plain_server.metrics() if name.startswith("vllm:ddtree")]
