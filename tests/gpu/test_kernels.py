@@ -123,3 +123,44 @@ def test_compaction_matches_reference(dtype, num_reqs, moves):
     compact_kv_triton_(table, src.to(DEVICE), dst.to(DEVICE))
     for got, want in zip(caches, expected):
         assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter check is tests/unit/test_tree_build_triton.py")
+@pytest.mark.parametrize("num_req,depth,vocab,budget", [(1, 15, 151936, 15), (8, 15, 49152, 64), (64, 7, 1000, 128),
+                                                        (3, 3, 5, 17)])
+def test_triton_tree_builder_matches_torch_builder(num_req, depth, vocab, budget, monkeypatch):
+    from vllm_ddtree.tree import build_draft_tree
+
+    gen = torch.Generator(device="cuda").manual_seed(budget)
+    logits = (torch.randn(num_req, depth, vocab, device="cuda", generator=gen) * 4).round()  # ties included
+    roots = torch.randint(0, vocab, (num_req,), device="cuda", generator=gen)
+    got = build_draft_tree(logits, roots, budget)  # Triton on CUDA
+    monkeypatch.setenv("VLLM_DDTREE_TREE_KERNELS", "torch")
+    expected = build_draft_tree(logits, roots, budget)
+    for name in ("token_ids", "parents", "depths", "log_probs"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter check is tests/unit/test_tree_build_triton.py")
+@pytest.mark.parametrize("num_req,depth,budget", [(1, 15, 15), (8, 15, 64), (64, 7, 128), (3, 3, 256)])
+def test_triton_mask_and_walk_match_torch(num_req, depth, budget, monkeypatch):
+    from vllm_ddtree.tree import ancestor_mask, build_draft_tree, walk_tree
+
+    gen = torch.Generator(device="cuda").manual_seed(budget)
+    tree = build_draft_tree(torch.randn(num_req, depth, 64, device="cuda", generator=gen) * 2,
+                            torch.zeros(num_req, dtype=torch.int64, device="cuda"), budget)
+    n = budget + 1
+    # Targets that follow the tree from every node with a child (node i's target: its last child's token).
+    target = torch.randint(0, 64, (num_req, n), device="cuda", generator=gen)
+    target.scatter_(1, tree.parents[:, 1:], tree.token_ids[:, 1:])
+    num_nodes = torch.randint(1, n + 1, (num_req,), device="cuda", generator=gen)
+
+    def run():
+        return ancestor_mask(tree.parents), walk_tree(tree.token_ids, tree.parents, tree.depths, target, num_nodes, depth)
+
+    mask, walk = run()  # Triton on CUDA
+    monkeypatch.setenv("VLLM_DDTREE_TREE_KERNELS", "torch")
+    mask_ref, walk_ref = run()
+    assert torch.equal(mask, mask_ref)
+    for name in ("path_nodes", "num_accepted", "output_token_ids"):
+        assert torch.equal(getattr(walk, name), getattr(walk_ref, name)), name

@@ -1,4 +1,6 @@
-"""The Triton best-first builder (vllm_ddtree/tree/triton_build.py) gives exactly the torch builder's trees.
+"""The Triton tree kernels give exactly the tensor-op versions' results: the best-first builder
+(tree/triton_build.py) the torch builder's trees, the ancestor mask (tree/triton_layout.py) and the walk
+(tree/triton_walk.py) the pointer-doubling versions' masks and paths, on every tree built here.
 
 CI has no GPU, so the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, numpy on the CPU) in a
 subprocess (the switch is read when the kernel is defined). The torch builder is itself checked against brute
@@ -27,7 +29,11 @@ def compare(seed: int = 0) -> int:
     import torch
 
     from vllm_ddtree.tree.build import _check_args, _top_tokens, _topk_k, build_draft_tree, max_tree_nodes
+    from vllm_ddtree.tree.layout import ancestor_mask
     from vllm_ddtree.tree.triton_build import best_first_tree
+    from vllm_ddtree.tree.triton_layout import ancestor_mask_triton
+    from vllm_ddtree.tree.triton_walk import walk_tree_triton
+    from vllm_ddtree.tree.walk import walk_tree
 
     gen = torch.Generator().manual_seed(seed)
     checked = 0
@@ -48,8 +54,29 @@ def compare(seed: int = 0) -> int:
             case = dict(depth=depth, vocab=vocab, budget=budget, max_topk=max_topk, grid=grid, num_req=num_req)
             for name, value in zip(("token_ids", "parents", "depths", "log_probs"), got):
                 assert torch.equal(value, getattr(expected, name)), (case, name, value, getattr(expected, name))
+            assert torch.equal(ancestor_mask_triton(expected.parents), ancestor_mask(expected.parents)), case
+            check_walk(expected, depth, gen, walk_tree, walk_tree_triton, case)
             checked += 1
     return checked
+
+
+def check_walk(tree, depth: int, gen, walk_tree, walk_tree_triton, case) -> None:
+    """Targets that mostly follow the tree (long paths), on a random prefix of the node list."""
+    import torch
+
+    num_req, n = tree.token_ids.shape
+    # The target's choice at node u: the token of a random node whose parent is u (when one exists), or noise.
+    follow = torch.full((num_req, n), -7, dtype=torch.int64)
+    for j in torch.randperm(n, generator=gen).tolist():
+        if j:
+            follow.scatter_(1, tree.parents[:, j : j + 1], tree.token_ids[:, j : j + 1])
+    noise = torch.randint(0, 50, (num_req, n), generator=gen)
+    target = torch.where((follow >= 0) & (torch.rand(num_req, n, generator=gen) < 0.85), follow, noise)
+    num_nodes = torch.randint(1, n + 1, (num_req,), generator=gen)
+    expected = walk_tree(tree.token_ids, tree.parents, tree.depths, target, num_nodes, depth)
+    got = walk_tree_triton(tree.token_ids, tree.parents, target, num_nodes, depth)
+    for name, value in zip(("path_nodes", "num_accepted", "output_token_ids"), got):
+        assert torch.equal(value, getattr(expected, name)), (case, name, value, getattr(expected, name))
 
 
 @pytest.mark.slow

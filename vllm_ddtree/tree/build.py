@@ -45,6 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_ddtree.tree.dispatch import use_triton
+
 __all__ = ["DraftTree", "build_draft_tree", "max_tree_nodes"]
 
 
@@ -246,6 +248,8 @@ def build_draft_tree(
         max_topk: optional cap on the tokens considered per depth.
 
     Returns a `DraftTree` on draft_logits' device; see the module docstring for the node order.
+    On CUDA the selection after the top-k is one Triton launch (tree/triton_build.py, the same tree;
+    VLLM_DDTREE_TREE_KERNELS=torch forces the tensor-op beam below).
     No host-device synchronisation; the Python loop runs over depth only. Cost: two top-k passes over V
     per depth (the second makes ties exact) and a transient float32 copy of the logits for the log-normaliser,
     then about budget * ln(budget) candidates per depth. Requires V < 2^30.
@@ -253,5 +257,9 @@ def build_draft_tree(
     _check_args(draft_logits, root_token_ids, budget, max_topk)
     vocab = draft_logits.shape[2]
     tok, lp = _top_tokens(draft_logits, _topk_k(vocab, max_topk, budget))  # [R, D, K]
+    if use_triton(draft_logits):
+        from vllm_ddtree.tree.triton_build import best_first_tree  # the same tree in one launch
+
+        return DraftTree(*best_first_tree(lp, tok, root_token_ids, budget + 1))
     slots = _flatten_beams(_depth_beams(lp, tok, budget), root_token_ids)
     return _pick_nodes(slots, budget + 1)

@@ -10,6 +10,8 @@ for every other node; the parent chain of every node must reach the root (no cyc
 
 import torch
 
+from vllm_ddtree.tree.dispatch import use_triton
+
 __all__ = ["ancestor_mask", "depths_from_parents", "all_on_root_path"]
 
 
@@ -32,6 +34,10 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     This is the tree-attention mask: node i attends to itself and its ancestors (plus, outside this
     function, the request's committed context).
     """
+    if use_triton(parents):
+        from vllm_ddtree.tree.triton_layout import ancestor_mask_triton  # one launch
+
+        return ancestor_mask_triton(parents)
     num_req, n = parents.shape
     mask = torch.eye(n, dtype=torch.bool, device=parents.device).expand(num_req, n, n)  # [R, N, N]
     pointer = parents  # [R, N] ancestor at distance 2^k (-1 beyond the root)

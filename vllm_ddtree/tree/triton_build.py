@@ -47,7 +47,7 @@ def _best_first_kernel(
     f_parent = tl.zeros([FRONTIER], dtype=tl.int32)
     f_parent_score = tl.zeros([FRONTIER], dtype=tl.float32)
     f_score = tl.where(first, 0.0 + tl.load(lp_base), 0.0)
-    size = 1
+    size = tl.program_id(0) * 0 + 1  # int32 like its updates (a loop-carried value keeps one type)
 
     tl.store(out_tok_ptr + out, tl.load(root_ptr + req))
     tl.store(out_parent_ptr + out, -1)

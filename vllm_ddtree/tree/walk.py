@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_ddtree.tree.dispatch import use_triton
 from vllm_ddtree.tree.layout import all_on_root_path
 
 __all__ = ["WalkResult", "walk_tree"]
@@ -54,6 +55,10 @@ def walk_tree(
 
     No host-device synchronisation; safe to capture in a CUDA graph for fixed shapes.
     """
+    if use_triton(token_ids):
+        from vllm_ddtree.tree.triton_walk import walk_tree_triton  # one launch
+
+        return WalkResult(*walk_tree_triton(token_ids, parents, target_token_ids, num_nodes, max_depth))
     num_req, n = token_ids.shape
     accepted = accepted_nodes(token_ids, parents, target_token_ids, num_nodes)  # [R, N]
     num_accepted = accepted.sum(dim=1) - 1  # [R]

@@ -1,0 +1,80 @@
+#!/usr/bin/env python
+"""Time the tree operations of one decode step on the GPU: build (top-k + selection), ancestor mask and walk,
+Triton kernels vs the tensor-op versions (VLLM_DDTREE_TREE_KERNELS=torch), over batch sizes and budgets.
+
+    python scripts/bench_tree.py [--vocab 151936] [--depth 15] [--out tree_bench.json]
+
+Each figure is the median of --iters timed calls (CUDA events around each call, after warm-up), eager launches as
+in the decode step. Prints a markdown table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vllm_ddtree.tree import ancestor_mask, build_draft_tree, walk_tree  # noqa: E402
+
+
+def median_ms(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure(batch: int, budget: int, depth: int, vocab: int, iters: int) -> dict:
+    logits = torch.randn(batch, depth, vocab, device="cuda", dtype=torch.bfloat16) * 3
+    roots = torch.zeros(batch, dtype=torch.int64, device="cuda")
+    tree = build_draft_tree(logits, roots, budget)
+    target = torch.randint(0, vocab, (batch, budget + 1), device="cuda")
+    target.scatter_(1, tree.parents[:, 1:], tree.token_ids[:, 1:])  # targets that follow the tree
+    num_nodes = torch.full((batch,), budget + 1, device="cuda")
+    return {
+        "build_ms": median_ms(lambda: build_draft_tree(logits, roots, budget), iters),
+        "mask_ms": median_ms(lambda: ancestor_mask(tree.parents), iters),
+        "walk_ms": median_ms(lambda: walk_tree(tree.token_ids, tree.parents, tree.depths, target, num_nodes, depth),
+                             iters),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--depth", type=int, default=15)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[15, 64, 128])
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--out", default="tree_bench.json")
+    args = parser.parse_args()
+    rows = []
+    for kernels, batch, budget in itertools.product(("triton", "torch"), args.batch_sizes, args.budgets):
+        os.environ["VLLM_DDTREE_TREE_KERNELS"] = kernels
+        rows.append({"kernels": kernels, "batch": batch, "budget": budget,
+                     **measure(batch, budget, args.depth, args.vocab, args.iters)})
+    print(f"vocab {args.vocab}, depth {args.depth}, bf16 logits, {torch.cuda.get_device_name()}")
+    print("| kernels | batch | budget | build ms | mask ms | walk ms |\n| --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['kernels']} | {r['batch']} | {r['budget']} | {r['build_ms']:.3f} | {r['mask_ms']:.3f} | "
+              f"{r['walk_ms']:.3f} |")
+    Path(args.out).write_text(json.dumps({"setup": vars(args), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
