@@ -10,6 +10,7 @@ human turn (what training reads; the held-out split depends on the id alone). Th
 (one device call carries at most 64 MiB); `scripts/gpu_train.sh` joins them.
 """
 
+import importlib.metadata
 import json
 import shutil
 import subprocess
@@ -42,6 +43,9 @@ def main() -> None:
     import gguf
 
     shutil.copytree(Path(gguf.__file__).parent, pkgs / "gguf", ignore=shutil.ignore_patterns("__pycache__"))
+    # transformers asks for gguf's version (importlib.metadata): its dist-info has to travel too.
+    dist_info = Path(importlib.metadata.distribution("gguf")._path)
+    shutil.copytree(dist_info, pkgs / dist_info.name)
     subprocess.run(["tar", "-C", str(pkgs), "-cJf", str(gpu / "data" / "pkgs.tar.xz"), "."], check=True)
     shutil.rmtree(pkgs)
     blob = gguf_path().read_bytes()
