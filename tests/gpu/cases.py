@@ -102,3 +102,28 @@ def make_case(
         tree_rows=tree_rows.to(device),
         scale=head_dim**-0.5,
     )
+
+
+def context_attention_with_lse(case: TreeCase) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every tree node's attention over its request's context alone (no tree keys), in FlashAttention's output
+    layout: (out [num_tokens, Hq, D] by token row, LSE [Hq, num_tokens] natural log, -inf without context).
+    Pure torch: stands in for FA3's non-causal context pass of the split design where there is no GPU."""
+    t, kv = case.tree, case.kv
+    num_tokens, num_q_heads, head_dim = case.query.shape
+    out = torch.zeros_like(case.query)
+    lse = torch.full((num_q_heads, num_tokens), float("-inf"), dtype=torch.float32, device=case.query.device)
+    for r, num_nodes in enumerate(t.num_nodes_cpu):
+        start, context = int(t.query_start[r]), int(t.seq_lens[r]) - num_nodes
+        if context == 0:
+            continue
+        positions = torch.arange(context, device=case.query.device)
+        slots = t.block_table[r].to(torch.int64)[positions // kv.block_size] * kv.block_size + positions % kv.block_size
+        keys, values = kv.read(slots)  # [context, Hkv, D]
+        group = num_q_heads // keys.shape[1]
+        q = case.query[start : start + num_nodes].float()  # [n, Hq, D]
+        scores = torch.einsum("nhd,lhd->hnl", q, keys.float().repeat_interleave(group, 1)) * case.scale
+        out[start : start + num_nodes] = torch.einsum(
+            "hnl,lhd->nhd", scores.softmax(-1), values.float().repeat_interleave(group, 1)
+        ).to(out.dtype)
+        lse[:, start : start + num_nodes] = scores.logsumexp(-1)
+    return out, lse

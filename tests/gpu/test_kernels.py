@@ -80,6 +80,30 @@ def test_tree_attention_forced_splits(num_splits):
     _check_tree_attention(case, seed=11 + num_splits, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("case_args", GRID[:: max(1, len(GRID) // 8)], ids=_ids)
+def test_split_tree_attention_matches_reference(case_args):
+    """The split design: context attention with LSE (pure torch here, FA3 in the layer) + tree part + merge."""
+    from tests.gpu.cases import context_attention_with_lse
+    from vllm_ddtree.attention.reference import tree_attention_reference_
+    from vllm_ddtree.attention.triton_tree import tree_attention_split_
+
+    b, budget, ctx, (hq, hkv), hd, dtype = case_args
+    case = make_case(b, budget, ctx, hq, hkv, hd, dtype, DEVICE, seed=7)
+    ref = torch.full_like(case.query, float("nan"))
+    tree_attention_reference_(case.query, case.kv, case.tree, case.scale, ref)
+    context_out, context_lse = context_attention_with_lse(case)
+    out = torch.full_like(case.query, float("nan"))
+    t = case.tree
+    tree_attention_split_(
+        case.query, case.kv.keys, case.kv.values, t.block_table, t.query_start, t.seq_lens, t.num_nodes,
+        t.node_mask, t.max_seq_len, case.scale, context_out, context_lse, out,
+    )  # fmt: skip
+    rows = case.tree_rows
+    assert torch.isfinite(out[rows]).all() and torch.isnan(out[~rows]).all()
+    err = _relative_error(out[rows], ref[rows])
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e} for {_ids(case_args)}"
+
+
 def _random_moves(num_reqs: int, moves: int, slots_per_req: int, gen: torch.Generator):
     """Per request: nodes 1..moves+... get slots; the accepted path p_1 < p_2 < ... with p_d >= d moves to d."""
     src, dst = [], []
@@ -164,3 +188,37 @@ def test_triton_mask_and_walk_match_torch(num_req, depth, budget, monkeypatch):
     assert torch.equal(mask, mask_ref)
     for name in ("path_nodes", "num_accepted", "output_token_ids"):
         assert torch.equal(getattr(walk, name), getattr(walk_ref, name)), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs FlashAttention-3 (CUDA)")
+@pytest.mark.parametrize("b,budget,ctx", [(1, 15, 1000), (8, 64, 4000), (32, 15, 8192)])
+def test_split_tree_attention_with_fa3_context(b, budget, ctx):
+    """The layer's split path end to end: FA3's non-causal context pass (with LSE) + tree part + merge."""
+    from vllm_ddtree.attention.reference import tree_attention_reference_
+    from vllm_ddtree.attention.triton_tree import tree_attention_split_
+    from vllm_ddtree.compat import flash_attn_varlen
+
+    case = make_case(b, budget, ctx, 32, 8, 128, torch.bfloat16, "cuda", seed=b)
+    t = case.tree
+    width = t.node_mask.shape[1]
+    rows = torch.cat([torch.arange(int(s), int(s) + width, device="cuda") for s in t.query_start.tolist()])
+    cu_q = torch.arange(0, (b + 1) * width, width, device="cuda", dtype=torch.int32)
+    packed_out, packed_lse = flash_attn_varlen()(
+        case.query[rows].contiguous(), case.kv.keys, case.kv.values, max_seqlen_q=width, cu_seqlens_q=cu_q,
+        max_seqlen_k=t.max_seq_len, seqused_k=(t.seq_lens - t.num_nodes).to(torch.int32), causal=False,
+        block_table=t.block_table, softmax_scale=case.scale, return_softmax_lse=True, fa_version=3,
+    )  # fmt: skip
+    context_out = torch.zeros_like(case.query)
+    context_lse = torch.full((case.query.shape[1], case.query.shape[0]), float("-inf"), device="cuda")
+    context_out[rows] = packed_out
+    context_lse[:, rows] = packed_lse
+    ref = torch.full_like(case.query, float("nan"))
+    tree_attention_reference_(case.query, case.kv, t, case.scale, ref)
+    out = torch.full_like(case.query, float("nan"))
+    tree_attention_split_(
+        case.query, case.kv.keys, case.kv.values, t.block_table, t.query_start, t.seq_lens, t.num_nodes,
+        t.node_mask, t.max_seq_len, case.scale, context_out, context_lse, out,
+    )  # fmt: skip
+    tree_rows = case.tree_rows
+    assert torch.isfinite(out[tree_rows]).all()
+    assert _relative_error(out[tree_rows], ref[tree_rows]) < TOLERANCE[torch.bfloat16]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from vllm_ddtree.attention.metadata import ATTRIBUTE as TREE_METADATA
@@ -43,10 +45,35 @@ def _skips_backend_attention(layer: torch.nn.Module) -> bool:
     return backend is not None and not getattr(backend, "forward_includes_kv_cache_update", True)
 
 
+def _split_attention_applies(impl, query: torch.Tensor, tree) -> bool:
+    """The split design (FA3 over the context with LSE + a small tree kernel, merged) needs a batch of tree
+    requests only and FlashAttention-3 (16-bit dtypes); VLLM_DDTREE_SPLIT_ATTENTION=0 turns it off."""
+    return (
+        tree.covers_all_tokens
+        and tree.cu_seqlens_q is not None
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and getattr(impl, "vllm_flash_attn_version", None) == 3
+        and os.environ.get("VLLM_DDTREE_SPLIT_ATTENTION", "1") != "0"
+    )
+
+
 def tree_attention_(impl, query: torch.Tensor, kv_cache: torch.Tensor, tree, out: torch.Tensor) -> None:
     """Overwrite the tree rows of `out` [num_tokens, Hq, D]: the Triton kernel on CUDA, else the reference."""
     kv = paged_kv_for(impl, kv_cache)
-    if query.is_cuda:
+    if query.is_cuda and _split_attention_applies(impl, query, tree):
+        from vllm_ddtree.attention.triton_tree import tree_attention_split_
+        from vllm_ddtree.compat import flash_attn_varlen
+
+        context_out, context_lse = flash_attn_varlen()(
+            query, kv.keys, kv.values, max_seqlen_q=tree.node_mask.shape[1], cu_seqlens_q=tree.cu_seqlens_q,
+            max_seqlen_k=tree.max_seq_len, seqused_k=tree.context_lens, causal=False, block_table=tree.block_table,
+            softmax_scale=impl.scale, return_softmax_lse=True, fa_version=3,
+        )  # fmt: skip
+        tree_attention_split_(
+            query, kv.keys, kv.values, tree.block_table, tree.query_start, tree.seq_lens, tree.num_nodes,
+            tree.node_mask, tree.max_seq_len, impl.scale, context_out, context_lse, out,
+        )  # fmt: skip
+    elif query.is_cuda:
         from vllm_ddtree.attention.triton_tree import tree_attention_triton_
 
         tree_attention_triton_(

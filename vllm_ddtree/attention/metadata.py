@@ -31,6 +31,9 @@ class TreeAttentionMetadata:
     # Every scheduled request is a tree request: a GPU backend that writes the KV cache outside its forward
     # may skip its own (causal) attention, since every row is recomputed.
     covers_all_tokens: bool = False
+    # With covers_all_tokens: FlashAttention's varlen inputs for the context pass of the split design.
+    cu_seqlens_q: torch.Tensor | None = None  # [T + 1] int32, the backend's query_start_loc
+    context_lens: torch.Tensor | None = None  # [T] int32, keys before each root
 
     @property
     def num_tree_reqs(self) -> int:
@@ -63,6 +66,8 @@ class TreeAttentionMetadataBuilder:
             num_nodes=step.num_nodes[tree_reqs],
             max_seq_len=int(max_seq_len),
             covers_all_tokens=all_trees,
+            cu_seqlens_q=backend_metadata.query_start_loc if all_trees else None,
+            context_lens=(seq_lens - step.num_nodes[tree_reqs]).to(torch.int32) if all_trees else None,
         )
 
     def attach(self, step: TreeStep, attn_metadata) -> None:

@@ -9,6 +9,10 @@ Long contexts are split over `num_splits` programs per (request, head, row tile)
 a normalized partial output and its log-sum-exp, and `_merge_splits_kernel` combines them. With one split the
 main kernel writes the output directly.
 
+Split design (`tree_attention_split_`, used when every scheduled request is a tree and the backend is
+FlashAttention-3): FA3 attends the nodes to the context alone (non-causal, returning its LSE); this kernel runs
+with TREE_ONLY over the tree nodes' keys only and `_merge_splits_kernel` merges both parts by log-sum-exp.
+
 Launch safety: no host-device synchronization; all sizes come from host values the step already knows
 (`TreeAttentionMetadata.plan`), so the launches can be captured in a CUDA graph for a fixed batch shape.
 """
@@ -59,6 +63,7 @@ def _tree_attention_kernel(
     BLOCK_N: tl.constexpr,
     M_TILES: tl.constexpr,
     PRECISION: tl.constexpr,
+    TREE_ONLY: tl.constexpr = False,  # keys of the tree nodes only; (out, lse) to PartO/PartLse (split design)
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -94,6 +99,8 @@ def _tree_attention_kernel(
     for part in tl.static_range(2):
         if part == 0:
             start, end = lo, tl.minimum(hi, ctx_len)
+            if TREE_ONLY:  # the context is attended elsewhere (FlashAttention), merged by LSE
+                end = start
         else:
             start, end = tl.maximum(lo, ctx_len), hi
         for block_start in range(start, end, BLOCK_N):
@@ -130,7 +137,7 @@ def _tree_attention_kernel(
 
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    if num_splits == 1:
+    if num_splits == 1 and not TREE_ONLY:
         tl.store(
             Out + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
             out.to(Out.dtype.element_ty),
@@ -152,12 +159,18 @@ def _merge_splits_kernel(
     Out,  # [num_tokens, Hq, D]
     stride_ot,
     stride_oh,
+    CtxO,  # [num_tokens, Hq, D] attention over the context alone (HAS_CTX), by token row
+    CtxLse,  # [Hq, num_tokens] float32 its natural-log LSE (FlashAttention's layout)
+    stride_cot,
+    stride_coh,
+    stride_clh,
     NUM_Q_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     WIDTH: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    HAS_CTX: tl.constexpr = False,
 ):
     pid = tl.program_id(0)  # t * WIDTH + node
     head = tl.program_id(1)
@@ -169,14 +182,25 @@ def _merge_splits_kernel(
         d = tl.arange(0, BLOCK_D)
         lse = tl.load(PartLse + part_row + s, mask=s < NUM_SPLITS, other=float("-inf"))  # [BLOCK_S]
         m = tl.max(lse, axis=0)
+        token = tl.load(QueryStart + t) + node
+        if HAS_CTX:
+            ctx_lse = tl.load(CtxLse + head * stride_clh + token) * 1.4426950408889634  # natural log -> log2
+            ctx_lse = tl.where(ctx_lse < float("inf"), ctx_lse, float("-inf"))  # no context: weight 0
+            m = tl.maximum(m, ctx_lse)
         w = tl.exp2(lse - m)  # empty splits weigh 0; at least one split holds the node's own key
         o = tl.load(
             PartO + (part_row + s)[:, None] * HEAD_DIM + d[None, :],
             mask=(s < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :],
             other=0.0,
         )  # [BLOCK_S, BLOCK_D]
-        out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
-        token = tl.load(QueryStart + t) + node
+        numerator = tl.sum(o * w[:, None], axis=0)
+        denominator = tl.sum(w, axis=0)
+        if HAS_CTX:
+            w_ctx = tl.exp2(ctx_lse - m)
+            ctx_o = tl.load(CtxO + token * stride_cot + head * stride_coh + d, mask=d < HEAD_DIM, other=0.0)
+            numerator += ctx_o.to(tl.float32) * w_ctx
+            denominator += w_ctx
+        out = numerator / denominator
         tl.store(Out + token * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
@@ -264,6 +288,60 @@ def tree_attention_triton_(
     if num_splits > 1:
         _merge_splits_kernel[(num_trees * width, num_q_heads)](
             part_o, part_lse, query_start, num_nodes, output, output.stride(0), output.stride(1),
+            output, part_lse, 0, 0, 0,  # no separate context part
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, WIDTH=width, NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
         )  # fmt: skip
+
+
+def tree_attention_split_(
+    query: torch.Tensor,  # [num_tokens, Hq, D]
+    keys: torch.Tensor,  # [num_blocks, page, Hkv, D]
+    values: torch.Tensor,  # [num_blocks, page, Hkv, D]
+    block_table: torch.Tensor,  # [T, max_blocks] int32
+    query_start: torch.Tensor,  # [T] int64
+    seq_lens: torch.Tensor,  # [T] int64
+    num_nodes: torch.Tensor,  # [T] int64
+    node_mask: torch.Tensor,  # [T, N, N] bool or uint8
+    max_seq_len: int,
+    scale: float,
+    context_out: torch.Tensor,  # [num_tokens, Hq, D] every node's attention over its request's context alone
+    context_lse: torch.Tensor,  # [Hq, num_tokens] float32, natural-log LSE of that (FlashAttention's layout)
+    output: torch.Tensor,  # [num_tokens, Hq, D]; rows of tree nodes are overwritten
+) -> None:
+    """Split tree attention: the context part comes from FlashAttention (non-causal over the context, with LSE);
+    this adds the tree part (each node over its ancestors' keys, a few keys per node) and merges the two by
+    log-sum-exp. Two launches; sync-free."""
+    num_trees, width = node_mask.shape[0], node_mask.shape[1]
+    if num_trees == 0:
+        return
+    num_q_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, page = keys.shape[2], keys.shape[1]
+    group = num_q_heads // num_kv_heads
+    block_m, block_n = _block_sizes(query.dtype, head_dim)
+    m_tiles = triton.cdiv(width * group, block_m)
+    part_o = torch.empty((num_trees, num_q_heads, width, 1, head_dim), dtype=torch.float32, device=query.device)
+    part_lse = torch.empty((num_trees, num_q_heads, width, 1), dtype=torch.float32, device=query.device)
+    mask = node_mask.view(torch.uint8) if node_mask.dtype == torch.bool else node_mask
+    block_d = triton.next_power_of_2(head_dim)
+    split_len = triton.cdiv(max(int(max_seq_len), 1), block_n) * block_n  # one split covers every key
+    _tree_attention_kernel[(num_trees * m_tiles, num_kv_heads, 1)](
+        query, keys, values, block_table, query_start, seq_lens, num_nodes, mask.contiguous(), output, part_o,
+        part_lse,
+        query.stride(0), query.stride(1),
+        keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2),
+        block_table.stride(0),
+        output.stride(0), output.stride(1),
+        scale * 1.4426950408889634, split_len, 1,
+        NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, WIDTH=width, PAGE=page,
+        BLOCK_M=block_m, BLOCK_N=block_n, M_TILES=m_tiles, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        TREE_ONLY=True, num_warps=4, num_stages=2,
+    )  # fmt: skip
+    assert context_out.stride(2) == 1 and context_lse.stride(1) == 1
+    _merge_splits_kernel[(num_trees * width, num_q_heads)](
+        part_o, part_lse, query_start, num_nodes, output, output.stride(0), output.stride(1),
+        context_out, context_lse, context_out.stride(0), context_out.stride(1), context_lse.stride(0),
+        NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, WIDTH=width, NUM_SPLITS=1, BLOCK_S=1,
+        HAS_CTX=True, num_warps=4,
+    )  # fmt: skip
