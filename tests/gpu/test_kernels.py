@@ -198,7 +198,7 @@ def test_split_tree_attention_with_fa3_context(b, budget, ctx):
     from vllm_ddtree.attention.triton_tree import tree_attention_split_
     from vllm_ddtree.compat import flash_attn_varlen
 
-    case = make_case(b, budget, ctx, 32, 8, 128, torch.bfloat16, "cuda", seed=b)
+    case = make_case(b, budget, ctx, 32, 8, 128, torch.bfloat16, "cuda", seed=b, full_trees=True)
     t = case.tree
     width = t.node_mask.shape[1]
     rows = torch.cat([torch.arange(int(s), int(s) + width, device="cuda") for s in t.query_start.tolist()])
