@@ -1,0 +1,41 @@
+"""DDTree with tensor_parallel_size=2 (issue 8): greedy output token-identical to vLLM without speculation at the
+same TP size, on the trained tiny pair (4 query / 2 KV heads: one KV head per rank), with long accepted paths.
+
+On the CPU build each rank is a worker process (`distributed_executor_backend="mp"`) bound to one core
+(`VLLM_CPU_OMP_THREADS_BIND="0|1"`). Opt-in (DDTREE_TP=1): two ranks plus the engine on a 2-core machine are
+slow, and starting them failed earlier on a heavily loaded machine. On CUDA it needs two GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.e2e.engine import run
+from tests.e2e.test_tiny_pair_ddtree import BLOCK_SIZE, DRAFTER, ENGINE, TARGET, greedy, prompts  # noqa: F401
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.environ.get("DDTREE_TP") != "1", reason="tensor-parallel run is opt-in: DDTREE_TP=1"),
+]
+
+TP = dict(ENGINE, tensor_parallel_size=2, distributed_executor_backend="mp")
+
+
+@pytest.fixture(autouse=True)
+def bind_one_core_per_rank(monkeypatch):
+    import torch
+
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+
+
+def test_tp2_greedy_identical_to_no_speculation(prompts):  # noqa: F811
+    prompts = prompts[:6]
+    baseline = run(TARGET, None, prompts, greedy(64), **TP)
+    result = run(TARGET, {"method": "ddtree", "model": DRAFTER, "num_speculative_tokens": 2 * BLOCK_SIZE + 1},
+                 prompts, greedy(64), **TP)
+    assert result.token_ids == baseline.token_ids
+    assert result.acceptance_length > 3.0, result.metrics
+    print(f"TP=2: acceptance length {result.acceptance_length:.2f}, {len(prompts)} prompts identical")
