@@ -20,9 +20,11 @@ def register() -> None:
         return
     _registered = True
     from vllm_ddtree.engine_hooks import install_config_hook
+    from vllm_ddtree.metrics import install_metrics
     from vllm_ddtree.requests import install_request_hook
     from vllm_ddtree.runner import install_runner_hooks
 
     install_config_hook()
     install_request_hook()
     install_runner_hooks()
+    install_metrics()  # tree metrics on /metrics (the API server process; see metrics.py)

@@ -115,6 +115,17 @@ def metrics_loggers() -> tuple[type, type]:
     return PrometheusStatLogger, SpecDecodingProm
 
 
+def shutdown_llm(llm) -> None:
+    """Stop an offline ``LLM``'s engine now, so its memory (and, on a GPU, its KV cache) goes back before the next
+    engine starts in the same process. vLLM 0.26-0.32: ``llm.llm_engine.engine_core.shutdown()``."""
+    import gc
+
+    engine_core = getattr(llm.llm_engine, "engine_core", None)
+    if engine_core is not None and hasattr(engine_core, "shutdown"):
+        engine_core.shutdown()
+    gc.collect()
+
+
 __all__ = [
     "DFlashProposer",
     "EngineArgs",
@@ -131,16 +142,6 @@ __all__ = [
     "init_logger",
     "metrics_loggers",
     "prepare_inputs_outputs",
+    "shutdown_llm",
     "validation_error",
 ]
-
-
-def shutdown_llm(llm) -> None:
-    """Stop an offline ``LLM``'s engine now, so its memory (and, on a GPU, its KV cache) goes back before the next
-    engine starts in the same process. vLLM 0.26-0.32: ``llm.llm_engine.engine_core.shutdown()``."""
-    import gc
-
-    engine_core = getattr(llm.llm_engine, "engine_core", None)
-    if engine_core is not None and hasattr(engine_core, "shutdown"):
-        engine_core.shutdown()
-    gc.collect()

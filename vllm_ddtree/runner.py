@@ -90,9 +90,6 @@ def _hook(cls, name: str):
 
 
 def install_runner_hooks() -> None:
-    from vllm_ddtree.metrics import install_metrics
-
-    install_metrics()  # tree metrics on /metrics (API server process; see metrics.py)
     from vllm_ddtree.compat import (
         GPUModelRunner,
         SamplerOutput,
