@@ -149,7 +149,7 @@ def main() -> None:
     from vllm_ddtree.compat import shutdown_llm
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--target", required=True)
+    parser.add_argument("--target", help="Hugging Face folder of the target (required unless --plot-from)")
     parser.add_argument("--drafter", default=None)
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
@@ -166,8 +166,19 @@ def main() -> None:
                         help="prompts per measurement at least: small batch sizes run them in consecutive groups")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--resume", action="store_true", help="keep --out's results.json and skip methods it has")
+    parser.add_argument("--plot-from", nargs="+", default=None, metavar="RESULTS_JSON",
+                        help="no engines: merge the rows of earlier results.json files into --out's table and plots")
     parser.add_argument("--out", default="bench-out")
     args = parser.parse_args()
+    if args.plot_from:
+        rows = [r for path in args.plot_from for r in json.loads(Path(path).read_text())["rows"]]
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        write_results(Path(args.out), args, rows)
+        print(markdown_table(rows))
+        plot(rows, Path(args.out))
+        return
+    if not args.target:
+        parser.error("--target is required (or --plot-from)")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
