@@ -164,3 +164,29 @@ def test_heldout_split_is_fixed_and_disjoint():
     every = data.load_prompts("humaneval", "all")
     assert {p.id for p in heldout} == {p.id for p in every if data.is_heldout("humaneval", p.id)}
     assert not {p.id for p in heldout} & {p.id for p in data.train_prompts(("humaneval",))}
+
+
+def test_training_end_to_end_with_several_sampled_answers_per_prompt(tmp_path, one_cpu_thread):
+    """train() on a tiny random target from token-id prompts: two sampled answers per prompt (different ones),
+    the held-out curve in report.json, a drafter folder vLLM's DFlash loader reads; greedy + several answers is
+    refused with the fix named."""
+    from tests.tiny_models import make_tiny_target
+    from vllm_ddtree.drafter.train import TrainConfig, train
+
+    target = make_tiny_target(tmp_path / "target")
+    prompts = [[5 + i, 40 + i, 90 + i] for i in range(3)]
+    cfg = TrainConfig(target=str(target), out=str(tmp_path / "run"), block_size=4, num_layers=1, max_new_tokens=12,
+                      temperature=1.0, responses_per_prompt=2, steps=4, batch_size=4, anchors_per_seq=2,
+                      warmup_steps=1, eval_every=2, device="cpu")
+    drafter = train(cfg, prompt_ids=prompts, eval_prompt_ids=[[7, 8, 9], [11, 12]])
+    lines = [json.loads(line) for line in (tmp_path / "run" / "responses.jsonl").read_text().splitlines()]
+    assert [line["prompt"] for line in lines] == [p for p in prompts for _ in range(2)]
+    assert any(lines[2 * i]["response"] != lines[2 * i + 1]["response"] for i in range(3))  # sampled, not copies
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert [point["step"] for point in report["heldout_curve"]] == [2, 4]
+    assert report["responses"] <= 6 and (drafter / "model.safetensors").is_file()
+    assert json.loads((drafter / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+    with pytest.raises(ValueError, match="temperature > 0"):
+        train(TrainConfig(target=str(target), out=str(tmp_path / "greedy"), responses_per_prompt=2, device="cpu"),
+              prompt_ids=prompts)

@@ -42,6 +42,7 @@ class TrainConfig:
     max_prompt_len: int = 256
     max_new_tokens: int = 256
     temperature: float = 0.0  # of the target's responses; 0 = greedy
+    responses_per_prompt: int = 1  # answers per prompt (more data from few prompts); > 1 needs temperature > 0
     gen_batch_size: int = 64
     generator: str = "hf"  # "hf" (transformers) or "vllm"
     chat_template: bool = True
@@ -235,7 +236,11 @@ def generate_responses_vllm(
         target, gpu_memory_utilization=0.4, seed=seed, max_model_len=max_model_len, enforce_eager=on_cpu,
         dtype="float32" if on_cpu else "auto",
     )
-    params = SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed if temperature > 0 else None)
+    # One seed per answer (seed, seed + 1, ...): repeated prompts get different samples, reruns the same ones.
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed + i if temperature > 0 else None)
+        for i in range(len(prompts))
+    ]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     responses = [list(o.outputs[0].token_ids) for o in outs]
     shutdown_llm(llm)
@@ -347,11 +352,14 @@ def _load_or_generate(cfg: TrainConfig, target, tokenizer, prompts, prompt_ids, 
         seqs = [Sequence(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
     if prompt_ids is None:
         prompt_ids = encode_prompts(tokenizer, prompts, cfg.chat_template, cfg.max_prompt_len)
+    prompt_ids = [p for p in prompt_ids for _ in range(cfg.responses_per_prompt)]
     todo = prompt_ids[len(seqs) :]
     if todo:
         eos = sorted(eos_ids)
         if cfg.generator == "vllm":
-            responses = generate_responses_vllm(cfg.target, todo, cfg.max_new_tokens, cfg.temperature, cfg.seed)
+            responses = generate_responses_vllm(
+                cfg.target, todo, cfg.max_new_tokens, cfg.temperature, cfg.seed + len(seqs)
+            )
         else:
             responses = generate_responses(
                 target, todo, cfg.max_new_tokens, cfg.temperature, cfg.gen_batch_size, eos, pad_id
@@ -395,6 +403,11 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
 
     from vllm_ddtree.drafter import data
 
+    if cfg.responses_per_prompt < 1 or (cfg.responses_per_prompt > 1 and cfg.temperature <= 0):
+        raise ValueError(
+            f"responses_per_prompt={cfg.responses_per_prompt} needs to be 1, or > 1 with temperature > 0 "
+            f"(got temperature={cfg.temperature}): greedy answers to one prompt are all the same"
+        )
     device = pick_device(cfg.device)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
