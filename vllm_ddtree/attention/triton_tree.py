@@ -198,7 +198,7 @@ def _merge_splits_kernel(
         if HAS_CTX:
             w_ctx = tl.exp2(ctx_lse - m)
             ctx_o = tl.load(CtxO + token * stride_cot + head * stride_coh + d, mask=d < HEAD_DIM, other=0.0)
-            numerator += ctx_o.to(tl.float32) * w_ctx
+            numerator += tl.where(w_ctx > 0.0, ctx_o.to(tl.float32), 0.0) * w_ctx  # no context: maybe NaN there
             denominator += w_ctx
         out = numerator / denominator
         tl.store(Out + token * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
