@@ -230,10 +230,11 @@ def generate_responses_vllm(
     from vllm_ddtree.compat import shutdown_llm
 
     max_model_len = max(len(p) for p in prompts) + max_new_tokens
-    # On CPU, compiled mode produced wrong SmolLM2 chat output (docs/drafter.md): run eagerly there.
+    # Eager everywhere: on CPU compiled mode produced wrong SmolLM2 chat output (docs/drafter.md); on the H200 the
+    # one-off torch.compile + CUDA-graph capture (~2 min at engine start) costs more than it saves for one pass.
     on_cpu = not torch.cuda.is_available()
     llm = LLM(
-        target, gpu_memory_utilization=0.4, seed=seed, max_model_len=max_model_len, enforce_eager=on_cpu,
+        target, gpu_memory_utilization=0.4, seed=seed, max_model_len=max_model_len, enforce_eager=True,
         dtype="float32" if on_cpu else "auto",
     )
     # One seed per answer (seed, seed + 1, ...): repeated prompts get different samples, reruns the same ones.
