@@ -247,51 +247,8 @@ def tree_attention_triton_(
     num_splits: int | None = None,
 ) -> None:
     """Overwrite the tree nodes' rows of `output` with tree attention. Sync-free; see the module docstring."""
-    num_trees, width = node_mask.shape[0], node_mask.shape[1]
-    if num_trees == 0:
-        return
-    num_q_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads, page = keys.shape[2], keys.shape[1]
-    assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
-    assert query.stride(2) == 1 and keys.stride(3) == 1 and values.stride(3) == 1 and output.stride(2) == 1
-    group = num_q_heads // num_kv_heads
-    block_m, block_n = _block_sizes(query.dtype, head_dim)
-    m_tiles = triton.cdiv(width * group, block_m)
-    programs = num_trees * m_tiles * num_kv_heads
-    if num_splits is None:
-        num_sms = _num_sms(query.device.index or 0) if query.is_cuda else 4  # CPU: Triton's interpreter
-        num_splits, split_len = plan_splits(programs, max_seq_len, block_n, num_sms)
-    else:
-        split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
-    if num_splits > 1:
-        part_o = torch.empty((num_trees, num_q_heads, width, num_splits, head_dim), dtype=torch.float32,
-                             device=query.device)
-        part_lse = torch.empty((num_trees, num_q_heads, width, num_splits), dtype=torch.float32, device=query.device)
-    else:
-        part_o = part_lse = output  # unused
-    mask = node_mask.view(torch.uint8) if node_mask.dtype == torch.bool else node_mask
-    block_d = triton.next_power_of_2(head_dim)
-    precision = "ieee" if query.dtype == torch.float32 else "tf32"
-    _tree_attention_kernel[(num_trees * m_tiles, num_kv_heads, num_splits)](
-        query, keys, values, block_table, query_start, seq_lens, num_nodes, mask.contiguous(), output, part_o,
-        part_lse,
-        query.stride(0), query.stride(1),
-        keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2),
-        block_table.stride(0),
-        output.stride(0), output.stride(1),
-        scale * 1.4426950408889634, split_len, num_splits,
-        NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, WIDTH=width, PAGE=page,
-        BLOCK_M=block_m, BLOCK_N=block_n, M_TILES=m_tiles, PRECISION=precision,
-        num_warps=4, num_stages=2,
-    )  # fmt: skip
-    if num_splits > 1:
-        _merge_splits_kernel[(num_trees * width, num_q_heads)](
-            part_o, part_lse, query_start, num_nodes, output, output.stride(0), output.stride(1),
-            output, part_lse, 0, 0, 0,  # no separate context part
-            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, WIDTH=width, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
-        )  # fmt: skip
+    _tree_attention(query, keys, values, block_table, query_start, seq_lens, num_nodes, node_mask, max_seq_len,
+                    scale, output, num_splits=num_splits)
 
 
 def tree_attention_split_(
@@ -312,20 +269,46 @@ def tree_attention_split_(
     """Split tree attention: the context part comes from FlashAttention (non-causal over the context, with LSE);
     this adds the tree part (each node over its ancestors' keys, a few keys per node) and merges the two by
     log-sum-exp. Two launches; sync-free."""
+    assert context_out.stride(2) == 1 and context_lse.stride(1) == 1
+    _tree_attention(query, keys, values, block_table, query_start, seq_lens, num_nodes, node_mask, max_seq_len,
+                    scale, output, context=(context_out, context_lse))
+
+
+def _tree_attention(
+    query, keys, values, block_table, query_start, seq_lens, num_nodes, node_mask, max_seq_len: int, scale: float,
+    output, num_splits: int | None = None, context: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Both entry points: one pass over context + tree keys (context None), split over the context in
+    `num_splits` programs when that pays; or the tree keys only, merged with `context` = (out, natural-log LSE)."""
     num_trees, width = node_mask.shape[0], node_mask.shape[1]
     if num_trees == 0:
         return
     num_q_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, page = keys.shape[2], keys.shape[1]
+    assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
+    assert query.stride(2) == 1 and keys.stride(3) == 1 and values.stride(3) == 1 and output.stride(2) == 1
     group = num_q_heads // num_kv_heads
     block_m, block_n = _block_sizes(query.dtype, head_dim)
     m_tiles = triton.cdiv(width * group, block_m)
-    part_o = torch.empty((num_trees, num_q_heads, width, 1, head_dim), dtype=torch.float32, device=query.device)
-    part_lse = torch.empty((num_trees, num_q_heads, width, 1), dtype=torch.float32, device=query.device)
+    tree_only = context is not None
+    if tree_only:  # one split covers every key (only the few tree keys are read)
+        num_splits, split_len = 1, triton.cdiv(max(int(max_seq_len), 1), block_n) * block_n
+    elif num_splits is None:
+        num_sms = _num_sms(query.device.index or 0) if query.is_cuda else 4  # CPU: Triton's interpreter
+        num_splits, split_len = plan_splits(num_trees * m_tiles * num_kv_heads, max_seq_len, block_n, num_sms)
+    else:
+        split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
+    partial = tree_only or num_splits > 1  # the kernel writes (out, lse) per split, a merge writes `output`
+    if partial:
+        part_o = torch.empty((num_trees, num_q_heads, width, num_splits, head_dim), dtype=torch.float32,
+                             device=query.device)
+        part_lse = torch.empty((num_trees, num_q_heads, width, num_splits), dtype=torch.float32, device=query.device)
+    else:
+        part_o = part_lse = output  # unused
     mask = node_mask.view(torch.uint8) if node_mask.dtype == torch.bool else node_mask
     block_d = triton.next_power_of_2(head_dim)
-    split_len = triton.cdiv(max(int(max_seq_len), 1), block_n) * block_n  # one split covers every key
-    _tree_attention_kernel[(num_trees * m_tiles, num_kv_heads, 1)](
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    _tree_attention_kernel[(num_trees * m_tiles, num_kv_heads, num_splits)](
         query, keys, values, block_table, query_start, seq_lens, num_nodes, mask.contiguous(), output, part_o,
         part_lse,
         query.stride(0), query.stride(1),
@@ -333,15 +316,16 @@ def tree_attention_split_(
         values.stride(0), values.stride(1), values.stride(2),
         block_table.stride(0),
         output.stride(0), output.stride(1),
-        scale * 1.4426950408889634, split_len, 1,
+        scale * 1.4426950408889634, split_len, num_splits,
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, WIDTH=width, PAGE=page,
-        BLOCK_M=block_m, BLOCK_N=block_n, M_TILES=m_tiles, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        TREE_ONLY=True, num_warps=4, num_stages=2,
+        BLOCK_M=block_m, BLOCK_N=block_n, M_TILES=m_tiles, PRECISION=precision, TREE_ONLY=tree_only,
+        num_warps=4, num_stages=2,
     )  # fmt: skip
-    assert context_out.stride(2) == 1 and context_lse.stride(1) == 1
-    _merge_splits_kernel[(num_trees * width, num_q_heads)](
-        part_o, part_lse, query_start, num_nodes, output, output.stride(0), output.stride(1),
-        context_out, context_lse, context_out.stride(0), context_out.stride(1), context_lse.stride(0),
-        NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, WIDTH=width, NUM_SPLITS=1, BLOCK_S=1,
-        HAS_CTX=True, num_warps=4,
-    )  # fmt: skip
+    if partial:
+        context_out, context_lse = context if tree_only else (output, part_lse)  # unused without a context
+        _merge_splits_kernel[(num_trees * width, num_q_heads)](
+            part_o, part_lse, query_start, num_nodes, output, output.stride(0), output.stride(1),
+            context_out, context_lse, context_out.stride(0), context_out.stride(1), context_lse.stride(0),
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, WIDTH=width, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), HAS_CTX=tree_only, num_warps=4,
+        )  # fmt: skip
