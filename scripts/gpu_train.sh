@@ -2,7 +2,7 @@
 # Device call: convert SmolLM2-135M-Instruct (bf16) and train its DFlash drafter (block 16, 2 layers) with the
 # command of docs/drafter.md; the result comes back as $OUT/drafter.tar.xz.part* (+ report, log).
 # Defaults after the first run (3,000 prompts, HF generation: the drafter memorised its data, held-out acceptance
-# 1.5): every training prompt (~16k) answered by vLLM, ~6 passes over them.
+# 1.5): every training prompt (~16k) answered twice by vLLM (once greedy, once at T 0.7), 4 passes over them.
 # Needs the bundle staged and scripts/gpu_stage_data.sh run with .gpu/data, .gpu/g1 and .gpu/g2 carried.
 # A rerun (same warm machine) resumes from the newest checkpoint.
 set -uo pipefail
@@ -11,10 +11,11 @@ source scripts/gpu_env.sh
 export PYTHONPATH="/tmp/pkgs:$PYTHONPATH"
 python scripts/convert_smollm2.py --out /tmp/smollm2 > "$OUT/convert.log" 2>&1 || { tail -20 "$OUT/convert.log"; exit 1; }
 resume=""; [ -d /tmp/smollm2-dflash/checkpoints ] && resume="--resume"
-timeout "${TRAIN_S:-500}" python scripts/train_drafter.py --target /tmp/smollm2 --out /tmp/smollm2-dflash \
+timeout "${TRAIN_S:-540}" python scripts/train_drafter.py --target /tmp/smollm2 --out /tmp/smollm2-dflash \
   --block-size 16 --num-layers 2 --num-prompts "${PROMPTS:-16000}" --generator "${GENERATOR:-vllm}" \
-  --gen-batch-size 256 --steps "${STEPS:-3000}" --weight-decay 0.01 --eval-every 250 \
-  --batch-size 32 --loss-decay 7 --save-every 250 $resume 2>&1 | tr '\r' '\n' | grep -v "^\s*$" | awk 'NR % 20 == 1 || /Error|error|warning|report|acceptance|heldout|{/' \
+  --responses-per-prompt 2 --greedy-first --temperature 0.7 \
+  --gen-batch-size 256 --steps "${STEPS:-4000}" --weight-decay 0.01 --eval-every 250 \
+  --batch-size 32 --loss-decay 7 --save-every 250 $resume 2>&1 | tr '\r' '\n' | grep -v "^\s*$" | awk 'NR % 20 == 1 || /Error|error|warning|report|acceptance|heldout|generated|{/' \
   > "$OUT/train.log"
 echo "train rc=${PIPESTATUS[0]}"; tail -5 "$OUT/train.log"
 if [ -f /tmp/smollm2-dflash/report.json ]; then

@@ -37,6 +37,8 @@ def parse_args(argv=None) -> TrainConfig:
     p.add_argument("--temperature", type=float, default=defaults["temperature"], help="of the responses; 0 = greedy")
     p.add_argument("--responses-per-prompt", type=int, default=defaults["responses_per_prompt"],
                    help="answers per prompt (> 1 needs --temperature > 0)")
+    p.add_argument("--greedy-first", action="store_true",
+                   help="the first answer of each prompt greedy, the others sampled at --temperature (vllm generator)")
     p.add_argument("--gen-batch-size", type=int, default=defaults["gen_batch_size"])
     p.add_argument("--generator", choices=("hf", "vllm"), default=defaults["generator"])
     p.add_argument("--no-chat-template", dest="chat_template", action="store_false")

@@ -190,3 +190,29 @@ def test_training_end_to_end_with_several_sampled_answers_per_prompt(tmp_path, o
     with pytest.raises(ValueError, match="temperature > 0"):
         train(TrainConfig(target=str(target), out=str(tmp_path / "greedy"), responses_per_prompt=2, device="cpu"),
               prompt_ids=prompts)
+
+
+def test_vllm_generator_greedy_first_answers_are_the_greedy_ones(tmp_path, one_cpu_thread):
+    """The vLLM answer generator (token ids in and out, EOS from the target's generation config, chunk by chunk):
+    with greedy_first, answer 0 of each prompt equals transformers' greedy answer (an independent oracle, cut after
+    EOS the same way) and answer 1 is sampled."""
+    from tests.tiny_models import make_tiny_target
+    from vllm_ddtree.drafter.train import (
+        TrainConfig, _special_ids, answer_temperature, generate_responses, generate_responses_vllm, load_target,
+    )
+
+    target = make_tiny_target(tmp_path / "target")
+    prompts = [[5 + i, 40 + i, 90 + i] for i in range(3)]
+    cfg = TrainConfig(target=str(target), out=str(tmp_path), temperature=1.0, responses_per_prompt=2,
+                      greedy_first=True)
+    temperatures = [answer_temperature(cfg, i % 2) for i in range(6)]
+    assert temperatures == [0.0, 1.0] * 3
+    model, tokenizer = load_target(str(target), torch.device("cpu"), "float32")
+    pad_id, eos_ids = _special_ids(model, tokenizer)
+    chunks = list(generate_responses_vllm(str(target), [p for p in prompts for _ in range(2)], 24, temperatures,
+                                          seed=0, eos_ids=eos_ids, chunk_size=4))
+    assert [len(chunk) for chunk in chunks] == [4, 2]
+    answers = [answer for chunk in chunks for answer in chunk]
+    greedy = generate_responses(model, prompts, 24, 0.0, 8, sorted(eos_ids), pad_id)
+    assert answers[0::2] == greedy
+    assert answers[1::2] != greedy

@@ -43,6 +43,7 @@ class TrainConfig:
     max_new_tokens: int = 256
     temperature: float = 0.0  # of the target's responses; 0 = greedy
     responses_per_prompt: int = 1  # answers per prompt (more data from few prompts); > 1 needs temperature > 0
+    greedy_first: bool = False  # the first answer of each prompt greedy, the others at `temperature`
     gen_batch_size: int = 64
     generator: str = "hf"  # "hf" (transformers) or "vllm"
     chat_template: bool = True
@@ -220,10 +221,13 @@ def generate_responses(
 
 
 def generate_responses_vllm(
-    target: str, prompts: list[list[int]], max_new_tokens: int, temperature: float, seed: int
-) -> list[list[int]]:
-    """Same as ``generate_responses`` with vLLM (much faster on a GPU); frees the engine afterwards."""
+    target: str, prompts: list[list[int]], max_new_tokens: int, temperatures: list[float], seed: int,
+    eos_ids, chunk_size: int = 4096,
+):
+    """Same as ``generate_responses`` with vLLM (much faster on a GPU), one temperature per prompt; yields the
+    responses chunk by chunk (so a run cut short keeps the chunks already written) and frees the engine at the end."""
     import gc
+    import time
 
     from vllm import LLM, SamplingParams
 
@@ -235,21 +239,28 @@ def generate_responses_vllm(
     on_cpu = not torch.cuda.is_available()
     llm = LLM(
         target, gpu_memory_utilization=0.4, seed=seed, max_model_len=max_model_len, enforce_eager=True,
-        dtype="float32" if on_cpu else "auto",
+        dtype="float32" if on_cpu else "auto", skip_tokenizer_init=True,  # token ids in and out
     )
     # One seed per answer (seed, seed + 1, ...): repeated prompts get different samples, reruns the same ones.
     params = [
-        SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed + i if temperature > 0 else None)
-        for i in range(len(prompts))
+        SamplingParams(temperature=t, max_tokens=max_new_tokens, seed=seed + i if t > 0 else None,
+                       stop_token_ids=sorted(eos_ids), detokenize=False)
+        for i, t in enumerate(temperatures)
     ]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    responses = [list(o.outputs[0].token_ids) for o in outs]
+    for start in range(0, len(prompts), chunk_size):
+        began = time.perf_counter()
+        chunk = slice(start, start + chunk_size)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[chunk]], params[chunk], use_tqdm=False)
+        responses = [list(o.outputs[0].token_ids) for o in outs]
+        tokens = sum(len(r) for r in responses)
+        print(f"generated {start + len(responses)}/{len(prompts)} answers, {tokens / (time.perf_counter() - began):.0f}"
+              " tok/s", flush=True)
+        yield responses
     shutdown_llm(llm)
     del llm
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return responses
 
 
 def _cut_after_eos(row: list[int], eos_ids: set[int]) -> list[int]:
@@ -353,24 +364,31 @@ def _load_or_generate(cfg: TrainConfig, target, tokenizer, prompts, prompt_ids, 
         seqs = [Sequence(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
     if prompt_ids is None:
         prompt_ids = encode_prompts(tokenizer, prompts, cfg.chat_template, cfg.max_prompt_len)
-    prompt_ids = [p for p in prompt_ids for _ in range(cfg.responses_per_prompt)]
-    todo = prompt_ids[len(seqs) :]
+    K = cfg.responses_per_prompt
+    prompt_ids = [p for p in prompt_ids for _ in range(K)]
+    temperatures = [answer_temperature(cfg, i % K) for i in range(len(prompt_ids))]
+    todo, done = prompt_ids[len(seqs) :], len(seqs)
     if todo:
-        eos = sorted(eos_ids)
         if cfg.generator == "vllm":
-            responses = generate_responses_vllm(
-                cfg.target, todo, cfg.max_new_tokens, cfg.temperature, cfg.seed + len(seqs)
-            )
+            chunks = generate_responses_vllm(cfg.target, todo, cfg.max_new_tokens, temperatures[done:], cfg.seed + done,
+                                             eos_ids)
         else:
-            responses = generate_responses(
-                target, todo, cfg.max_new_tokens, cfg.temperature, cfg.gen_batch_size, eos, pad_id
-            )
-        with path.open("a") as f:
-            for prompt, response in zip(todo, responses):
-                seq = Sequence(prompt, response)
-                seqs.append(seq)
-                f.write(json.dumps(asdict(seq)) + "\n")
+            if len(set(temperatures[done:])) > 1:
+                raise ValueError("greedy_first with the 'hf' generator is not supported; use generator='vllm'")
+            chunks = [generate_responses(target, todo, cfg.max_new_tokens, temperatures[-1], cfg.gen_batch_size,
+                                         sorted(eos_ids), pad_id)]
+        for responses in chunks:
+            with path.open("a") as f:
+                for prompt, response in zip(todo[len(seqs) - done :], responses):
+                    seq = Sequence(prompt, response)
+                    seqs.append(seq)
+                    f.write(json.dumps(asdict(seq)) + "\n")
     return [s for s in seqs if len(s.response) >= 2]
+
+
+def answer_temperature(cfg: TrainConfig, answer: int) -> float:
+    """Temperature of a prompt's answer number ``answer`` (0-based): greedy for the first with ``greedy_first``."""
+    return 0.0 if cfg.greedy_first and answer == 0 else cfg.temperature
 
 
 def _latest_checkpoint(out: Path) -> Path | None:
