@@ -8,6 +8,10 @@ steps counted from vLLM's spec-decode metrics (S for no speculation). For DDTree
 
     python scripts/bench_step.py --methods none,dflash --out /tmp/step.json
     python scripts/bench_step.py --methods ddtree --out /tmp/step.json   # merges into the same file
+    python scripts/bench_step.py --target T --drafter D --methods none,dflash,dflash-v1,ddtree --torch-profile
+
+`dflash-v1` runs vLLM's chain on the V1 model runner, the one DDTree hooks (vLLM 0.26 runs `dflash` on Model Runner
+V2 by default), so the DDTree/chain ratio can be split into runner and tree costs.
 """
 
 from __future__ import annotations
@@ -52,9 +56,10 @@ def write_models(root: Path) -> tuple[str, str]:
 
 
 def spec_for(method: str, drafter: str, budget: int):
+    """`dflash-v1` is vLLM's DFlash chain on the V1 model runner (DDTree's runner); `dflash` on vLLM's default."""
     if method == "none":
         return None
-    return {"method": method, "model": drafter, "num_speculative_tokens": budget}
+    return {"method": method.removesuffix("-v1"), "model": drafter, "num_speculative_tokens": budget}
 
 
 def num_drafts(llm) -> int:
@@ -75,15 +80,19 @@ def timed_generate(llm, prompts, max_tokens: int) -> tuple[float, int]:
     return time.perf_counter() - start, num_drafts(llm) - drafts
 
 
-def measure(llm, method: str, batch: int, prompt_len: int, steps: int, repeats: int) -> dict:
+def random_prompts(rng, batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
+    return [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(batch)]
+
+
+def measure(llm, method: str, batch: int, prompt_len: int, steps: int, repeats: int, vocab: int) -> dict:
     import random
 
     rng = random.Random(batch)
     per_step = []
     for r in range(repeats + 1):  # the first round warms up this batch size
-        prompts = [[rng.randrange(100, 150000) for _ in range(prompt_len)] for _ in range(batch)]
+        prompts = random_prompts(rng, batch, prompt_len, vocab)
         t_prefill, _ = timed_generate(llm, prompts, 1)
-        prompts = [[rng.randrange(100, 150000) for _ in range(prompt_len)] for _ in range(batch)]
+        prompts = random_prompts(rng, batch, prompt_len, vocab)
         t_all, drafts = timed_generate(llm, prompts, 1 + steps)
         num_steps = steps if method == "none" else max(drafts / batch, 1)
         if r:
@@ -105,25 +114,64 @@ def profile_pass(llm, batch: int, prompt_len: int, steps: int, path: Path) -> di
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def device_settings() -> dict:
+    """The H200: bf16, CUDA graphs; a CPU (trying the script out): float32, eager, a small KV cache."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=256 * 2**20)
+    capture = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512})
+    return dict(dtype="bfloat16", gpu_memory_utilization=0.8, compilation_config={"cudagraph_capture_sizes": capture})
+
+
+def torch_profile(llm, batch: int, prompt_len: int, steps: int, vocab: int, path: Path) -> None:
+    """torch.profiler over one run of `steps` decode steps (the engine runs in this process): the ops with the
+    most host time and the most GPU time, and host time grouped by the Python call stack, as text in `path`."""
+    import random
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = random_prompts(random.Random(batch + 1), batch, prompt_len, vocab)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, with_stack=True) as prof:
+        timed_generate(llm, prompts, 1 + steps)
+    device_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    path.write_text("\n\n".join([
+        f"{steps} decode steps, batch {batch}",
+        prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40),
+        prof.key_averages().table(sort_by=device_key, row_limit=25),
+        prof.key_averages(group_by_stack_n=6).table(sort_by="cpu_time_total", row_limit=40),
+    ]))  # fmt: skip
+
+
 def run_method(method: str, target: str, drafter: str, args) -> list[dict]:
     from vllm import LLM
 
     start = time.perf_counter()
-    llm = LLM(
-        model=target, speculative_config=spec_for(method, drafter, args.budget), load_format="dummy",
-        dtype="bfloat16", skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=max(args.batches),
-        gpu_memory_utilization=0.8, disable_log_stats=False, seed=0,
-        compilation_config={"cudagraph_capture_sizes": sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512})},
-    )  # fmt: skip
+    if method.endswith("-v1"):
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    try:
+        llm = LLM(
+            model=target, speculative_config=spec_for(method, drafter, args.budget), load_format=args.load_format,
+            skip_tokenizer_init=True, max_model_len=args.prompt_len + 2 * args.steps + 64,
+            max_num_seqs=max(args.batches), disable_log_stats=False, seed=0, **device_settings(),
+        )  # fmt: skip
+    finally:
+        os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     init_s = time.perf_counter() - start
+    vocab = llm.llm_engine.model_config.get_vocab_size()
     print(f"[{method}] engine init {init_s:.0f} s", flush=True)
     rows = []
     for batch in args.batches:
-        row = measure(llm, method, batch, args.prompt_len, args.steps, args.repeats)
+        row = measure(llm, method, batch, args.prompt_len, args.steps, args.repeats, vocab)
         row["engine_init_s"] = init_s
         if method == "ddtree":
             row["profile"] = profile_pass(llm, batch, args.prompt_len, args.steps, Path(args.out).with_suffix(
                 f".profile{batch}.json"))  # fmt: skip
+        if args.torch_profile:
+            torch_profile(llm, batch, args.prompt_len, min(args.steps, 16), vocab,
+                          Path(args.out).with_suffix(f".{method}.torch{batch}.txt"))
         print(f"[{method}] batch {batch}: {row['step_ms_median']:.2f} ms/step", flush=True)
         rows.append(row)
     engine_core = getattr(llm.llm_engine, "engine_core", None)
@@ -136,18 +184,19 @@ def run_method(method: str, target: str, drafter: str, args) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     by = {(r["method"], r["batch"]): r for r in rows}
-    batches = sorted({r["batch"] for r in rows})
-    print(f"\n{'batch':>5} {'none ms':>8} {'dflash ms':>9} {'ddtree ms':>9} {'ddtree/dflash':>13}")
-    for b in batches:
-        vals = [by.get((m, b), {}).get("step_ms_median") for m in ("none", "dflash", "ddtree")]
-        ratio = vals[2] / vals[1] if vals[1] and vals[2] else None
-        cells = [f"{v:.2f}" if v else "-" for v in vals]
-        print(f"{b:5d} {cells[0]:>8} {cells[1]:>9} {cells[2]:>9} {(f'{ratio:.3f}' if ratio else '-'):>13}")
+    methods = [m for m in ("none", "dflash", "dflash-v1", "ddtree") if any(r["method"] == m for r in rows)]
+    print("\n| batch | " + " | ".join(f"{m} ms/step" for m in methods) + " | ddtree / dflash | ddtree / dflash-v1 |")
+    print("| ---: " * (len(methods) + 3) + "|")
+    for b in sorted({r["batch"] for r in rows}):
+        ms = {m: by.get((m, b), {}).get("step_ms_median") for m in methods}
+        ratios = [f"{ms['ddtree'] / ms[m]:.3f}" if ms.get("ddtree") and ms.get(m) else "-" for m in ("dflash", "dflash-v1")]
+        print(f"| {b} | " + " | ".join(f"{ms[m]:.2f}" if ms[m] else "-" for m in methods) + f" | {' | '.join(ratios)} |")
     for r in rows:
-        prof = r.get("profile", {}).get("gpu_ms")
-        if prof:
-            phases = ", ".join(f"{k} {v:.3f}" for k, v in prof.items())
-            print(f"ddtree batch {r['batch']} GPU ms per phase: {phases}")
+        prof = r.get("profile", {})
+        for kind in ("gpu_ms", "host_ms"):
+            if prof.get(kind):
+                phases = ", ".join(f"{k} {v:.3f}" for k, v in prof[kind].items())
+                print(f"ddtree batch {r['batch']} {kind} per phase: {phases}")
 
 
 def main() -> None:
@@ -160,10 +209,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--models-dir", default="/tmp/bench-models")
     parser.add_argument("--out", default="bench_step.json")
+    parser.add_argument("--target", default=None, help="a real target folder instead of the Qwen3-8B dummy shape")
+    parser.add_argument("--drafter", default=None, help="its DFlash drafter (with --target)")
+    parser.add_argument("--torch-profile", action="store_true",
+                        help="also write a torch.profiler table per method and batch (OUT.<method>.torch<batch>.txt)")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    target, drafter = write_models(Path(args.models_dir))
+    if args.target:
+        target, drafter, args.load_format = args.target, args.drafter, "auto"
+    else:
+        (target, drafter), args.load_format = write_models(Path(args.models_dir)), "dummy"
     out = Path(args.out)
     result = json.loads(out.read_text()) if out.exists() else {"rows": []}
     for method in args.methods.split(","):
