@@ -221,6 +221,7 @@ def main() -> None:
     else:
         (target, drafter), args.load_format = write_models(Path(args.models_dir)), "dummy"
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     result = json.loads(out.read_text()) if out.exists() else {"rows": []}
     for method in args.methods.split(","):
         rows = run_method(method, target, drafter, args)
