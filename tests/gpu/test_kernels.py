@@ -80,9 +80,10 @@ def test_tree_attention_forced_splits(num_splits):
     _check_tree_attention(case, seed=11 + num_splits, num_splits=num_splits)
 
 
-@pytest.mark.parametrize("case_args", GRID[:: max(1, len(GRID) // 8)], ids=_ids)
+@pytest.mark.parametrize("case_args", GRID[:: max(1, len(GRID) // 8)] + [(3, 5, 0, (4, 2), 32, torch.float32)], ids=_ids)
 def test_split_tree_attention_matches_reference(case_args):
-    """The split design: context attention with LSE (pure torch here, FA3 in the layer) + tree part + merge."""
+    """The split design: context attention with LSE (pure torch here, FA3 in the layer) + tree part + merge.
+    Requests without context get what FlashAttention may return there (NaN output, +inf LSE): weight 0."""
     from tests.gpu.cases import context_attention_with_lse
     from vllm_ddtree.attention.reference import tree_attention_reference_
     from vllm_ddtree.attention.triton_tree import tree_attention_split_
@@ -92,8 +93,12 @@ def test_split_tree_attention_matches_reference(case_args):
     ref = torch.full_like(case.query, float("nan"))
     tree_attention_reference_(case.query, case.kv, case.tree, case.scale, ref)
     context_out, context_lse = context_attention_with_lse(case)
-    out = torch.full_like(case.query, float("nan"))
     t = case.tree
+    for r, num_nodes in enumerate(t.num_nodes_cpu):
+        if int(t.seq_lens[r]) == num_nodes:  # no context
+            rows_r = slice(int(t.query_start[r]), int(t.query_start[r]) + num_nodes)
+            context_out[rows_r], context_lse[:, rows_r] = float("nan"), float("inf")
+    out = torch.full_like(case.query, float("nan"))
     tree_attention_split_(
         case.query, case.kv.keys, case.kv.values, t.block_table, t.query_start, t.seq_lens, t.num_nodes,
         t.node_mask, t.max_seq_len, case.scale, context_out, context_lse, out,

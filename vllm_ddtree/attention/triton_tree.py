@@ -11,7 +11,7 @@ main kernel writes the output directly.
 
 Split design (`tree_attention_split_`, used when every scheduled request is a tree and the backend is
 FlashAttention-3): FA3 attends the nodes to the context alone (non-causal, returning its LSE); this kernel runs
-with TREE_ONLY over the tree nodes' keys only and `_merge_splits_kernel` merges both parts by log-sum-exp.
+with TREE_ONLY over the tree nodes' keys only and merges its result with FA3's by log-sum-exp before storing.
 
 Launch safety: no host-device synchronization; all sizes come from host values the step already knows
 (`TreeAttentionMetadata.plan`), so the launches can be captured in a CUDA graph for a fixed batch shape.
@@ -39,6 +39,8 @@ def _tree_attention_kernel(
     Out,  # [num_tokens, Hq, D]
     PartO,  # [T, Hq, WIDTH, NUM_SPLITS, D] float32 (only with NUM_SPLITS > 1)
     PartLse,  # [T, Hq, WIDTH, NUM_SPLITS] float32, log2-sum-exp2 of each split
+    CtxO,  # [num_tokens, Hq, D] attention over the context alone (TREE_ONLY), by token row
+    CtxLse,  # [Hq, num_tokens] float32, its natural-log LSE (FlashAttention's layout; TREE_ONLY)
     stride_qt,
     stride_qh,
     stride_kb,
@@ -50,6 +52,9 @@ def _tree_attention_kernel(
     stride_bt,
     stride_ot,
     stride_oh,
+    stride_cot,
+    stride_coh,
+    stride_clh,
     qk_scale,  # softmax scale * log2(e)
     split_len,  # keys per split, a multiple of BLOCK_N
     num_splits,  # runtime, so a growing context does not recompile
@@ -63,7 +68,7 @@ def _tree_attention_kernel(
     BLOCK_N: tl.constexpr,
     M_TILES: tl.constexpr,
     PRECISION: tl.constexpr,
-    TREE_ONLY: tl.constexpr = False,  # keys of the tree nodes only; (out, lse) to PartO/PartLse (split design)
+    TREE_ONLY: tl.constexpr = False,  # keys of the tree nodes only, merged with (CtxO, CtxLse) (split design)
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -137,7 +142,29 @@ def _tree_attention_kernel(
 
     has_keys = l_i > 0.0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    if num_splits == 1 and not TREE_ONLY:
+    if TREE_ONLY:
+        # Merge with the context part by log-sum-exp (log2 units). A valid row always sees its own key; a request
+        # without context has an infinite or NaN context LSE and a context output that may be NaN: weight 0.
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))  # [BLOCK_M]
+        ctx_lse = tl.load(CtxLse + head * stride_clh + token, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+        ctx_lse = tl.where(ctx_lse < float("inf"), ctx_lse, float("-inf"))
+        m = tl.maximum(lse, ctx_lse)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        w_tree = tl.exp2(lse - m)
+        w_ctx = tl.exp2(ctx_lse - m)
+        ctx_o = tl.load(
+            CtxO + token[:, None] * stride_cot + head[:, None] * stride_coh + d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        ctx_o = tl.where(w_ctx[:, None] > 0.0, ctx_o, 0.0)
+        out = (out * w_tree[:, None] + ctx_o * w_ctx[:, None]) / tl.where(row_ok, w_tree + w_ctx, 1.0)[:, None]
+        tl.store(
+            Out + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+    elif num_splits == 1:
         tl.store(
             Out + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
             out.to(Out.dtype.element_ty),
@@ -159,18 +186,12 @@ def _merge_splits_kernel(
     Out,  # [num_tokens, Hq, D]
     stride_ot,
     stride_oh,
-    CtxO,  # [num_tokens, Hq, D] attention over the context alone (HAS_CTX), by token row
-    CtxLse,  # [Hq, num_tokens] float32 its natural-log LSE (FlashAttention's layout)
-    stride_cot,
-    stride_coh,
-    stride_clh,
     NUM_Q_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     WIDTH: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    HAS_CTX: tl.constexpr = False,
 ):
     pid = tl.program_id(0)  # t * WIDTH + node
     head = tl.program_id(1)
@@ -181,26 +202,14 @@ def _merge_splits_kernel(
         s = tl.arange(0, BLOCK_S)
         d = tl.arange(0, BLOCK_D)
         lse = tl.load(PartLse + part_row + s, mask=s < NUM_SPLITS, other=float("-inf"))  # [BLOCK_S]
-        m = tl.max(lse, axis=0)
-        token = tl.load(QueryStart + t) + node
-        if HAS_CTX:
-            ctx_lse = tl.load(CtxLse + head * stride_clh + token) * 1.4426950408889634  # natural log -> log2
-            ctx_lse = tl.where(ctx_lse < float("inf"), ctx_lse, float("-inf"))  # no context: weight 0
-            m = tl.maximum(m, ctx_lse)
-        w = tl.exp2(lse - m)  # empty splits weigh 0; at least one split holds the node's own key
+        w = tl.exp2(lse - tl.max(lse, axis=0))  # empty splits weigh 0; at least one split holds the node's own key
         o = tl.load(
             PartO + (part_row + s)[:, None] * HEAD_DIM + d[None, :],
             mask=(s < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :],
             other=0.0,
         )  # [BLOCK_S, BLOCK_D]
-        numerator = tl.sum(o * w[:, None], axis=0)
-        denominator = tl.sum(w, axis=0)
-        if HAS_CTX:
-            w_ctx = tl.exp2(ctx_lse - m)
-            ctx_o = tl.load(CtxO + token * stride_cot + head * stride_coh + d, mask=d < HEAD_DIM, other=0.0)
-            numerator += tl.where(w_ctx > 0.0, ctx_o.to(tl.float32), 0.0) * w_ctx  # no context: maybe NaN there
-            denominator += w_ctx
-        out = numerator / denominator
+        out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+        token = tl.load(QueryStart + t) + node
         tl.store(Out + token * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < HEAD_DIM)
 
 
@@ -268,7 +277,7 @@ def tree_attention_split_(
 ) -> None:
     """Split tree attention: the context part comes from FlashAttention (non-causal over the context, with LSE);
     this adds the tree part (each node over its ancestors' keys, a few keys per node) and merges the two by
-    log-sum-exp. Two launches; sync-free."""
+    log-sum-exp in the same kernel. One launch; sync-free."""
     assert context_out.stride(2) == 1 and context_lse.stride(1) == 1
     _tree_attention(query, keys, values, block_table, query_start, seq_lens, num_nodes, node_mask, max_seq_len,
                     scale, output, context=(context_out, context_lse))
@@ -298,7 +307,7 @@ def _tree_attention(
         num_splits, split_len = plan_splits(num_trees * m_tiles * num_kv_heads, max_seq_len, block_n, num_sms)
     else:
         split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
-    partial = tree_only or num_splits > 1  # the kernel writes (out, lse) per split, a merge writes `output`
+    partial = num_splits > 1 and not tree_only  # the kernel writes (out, lse) per split, a merge writes `output`
     if partial:
         part_o = torch.empty((num_trees, num_q_heads, width, num_splits, head_dim), dtype=torch.float32,
                              device=query.device)
@@ -307,25 +316,25 @@ def _tree_attention(
         part_o = part_lse = output  # unused
     mask = node_mask.view(torch.uint8) if node_mask.dtype == torch.bool else node_mask
     block_d = triton.next_power_of_2(head_dim)
+    context_out, context_lse = context if tree_only else (output, part_lse)  # the latter unused
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     _tree_attention_kernel[(num_trees * m_tiles, num_kv_heads, num_splits)](
         query, keys, values, block_table, query_start, seq_lens, num_nodes, mask.contiguous(), output, part_o,
-        part_lse,
+        part_lse, context_out, context_lse,
         query.stride(0), query.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         block_table.stride(0),
         output.stride(0), output.stride(1),
+        context_out.stride(0), context_out.stride(1), context_lse.stride(0),
         scale * 1.4426950408889634, split_len, num_splits,
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, WIDTH=width, PAGE=page,
         BLOCK_M=block_m, BLOCK_N=block_n, M_TILES=m_tiles, PRECISION=precision, TREE_ONLY=tree_only,
         num_warps=4, num_stages=2,
     )  # fmt: skip
     if partial:
-        context_out, context_lse = context if tree_only else (output, part_lse)  # unused without a context
         _merge_splits_kernel[(num_trees * width, num_q_heads)](
             part_o, part_lse, query_start, num_nodes, output, output.stride(0), output.stride(1),
-            context_out, context_lse, context_out.stride(0), context_out.stride(1), context_lse.stride(0),
             NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, WIDTH=width, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), HAS_CTX=tree_only, num_warps=4,
+            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
         )  # fmt: skip
