@@ -34,6 +34,18 @@ def methods(drafter: str | None, block_size: int, budgets: list[int]) -> list[tu
     return out
 
 
+def capture_sizes(step_tokens: int) -> list[int]:
+    """Powers of two up to the first >= `step_tokens` (the largest batch's decode step: batch x tokens per request).
+
+    vLLM's default list stops at 512 tokens, so a 16-token speculative step of 64 requests (1,024 tokens) would run
+    without CUDA graphs; ten-odd sizes also start the engine faster than vLLM's ~67.
+    """
+    sizes = [1]
+    while sizes[-1] < step_tokens:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
 def counters(llm) -> dict:
     values = {}
     for metric in llm.get_metrics():
@@ -165,9 +177,9 @@ def main() -> None:
     parser.add_argument("--min-prompts", type=int, default=16,
                         help="prompts per measurement at least: small batch sizes run them in consecutive groups")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    parser.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
-                        help="token counts CUDA graphs are captured for, the same for every method (vLLM's default "
-                             "list has ~67 sizes: engine start ~75 s on the H200 instead of ~30 s)")
+    parser.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None,
+                        help="token counts CUDA graphs are captured for (default: powers of two up to the largest "
+                             "batch's decode step of each method, see capture_sizes)")
     parser.add_argument("--resume", action="store_true", help="keep --out's results.json and skip methods it has")
     parser.add_argument("--plot-from", nargs="+", default=None, metavar="RESULTS_JSON",
                         help="no engines: merge the rows of earlier results.json files into --out's table and plots")
@@ -197,13 +209,15 @@ def main() -> None:
         start = time.perf_counter()
         max_num_seqs = max(args.batch_sizes)
         draft_slots = (spec["num_speculative_tokens"] + 2) if spec else 0
+        step_tokens = max_num_seqs * (1 + (spec["num_speculative_tokens"] if spec else 0))
+        graph_sizes = args.cudagraph_capture_sizes or capture_sizes(step_tokens)
         llm = LLM(
             model=args.target, speculative_config=spec, dtype=args.dtype, max_model_len=args.max_model_len,
             load_format=args.load_format, enforce_eager=args.eager, disable_log_stats=False,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=8192 + max_num_seqs * draft_slots,
             gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
             skip_tokenizer_init=args.load_format == "dummy",
-            compilation_config=None if args.eager else {"cudagraph_capture_sizes": args.cudagraph_capture_sizes},
+            compilation_config=None if args.eager else {"cudagraph_capture_sizes": graph_sizes},
         )
         init_s = time.perf_counter() - start
         if prompts is None:
