@@ -216,3 +216,20 @@ def test_vllm_generator_greedy_first_answers_are_the_greedy_ones(tmp_path, one_c
     greedy = generate_responses(model, prompts, 24, 0.0, 8, sorted(eos_ids), pad_id)
     assert answers[0::2] == greedy
     assert answers[1::2] != greedy
+
+
+def test_resumed_training_keeps_the_heldout_curve(tmp_path, one_cpu_thread):
+    """A run resumed from a checkpoint reports the held-out points measured before the checkpoint too."""
+    from tests.tiny_models import make_tiny_target
+    from vllm_ddtree.drafter.train import TrainConfig, train
+
+    target = make_tiny_target(tmp_path / "target")
+    cfg = dict(target=str(target), out=str(tmp_path / "run"), block_size=4, num_layers=1, max_new_tokens=8, steps=4,
+               batch_size=2, anchors_per_seq=2, warmup_steps=1, eval_every=1, save_every=2, device="cpu")
+    prompts, eval_prompts = [[5, 40, 90], [6, 41, 91]], [[7, 8, 9]]
+    train(TrainConfig(**cfg), prompt_ids=prompts, eval_prompt_ids=eval_prompts)
+    first = json.loads((tmp_path / "run" / "report.json").read_text())["heldout_curve"]
+    train(TrainConfig(**cfg, resume=True), prompt_ids=prompts, eval_prompt_ids=eval_prompts)  # from step 2
+    resumed = json.loads((tmp_path / "run" / "report.json").read_text())["heldout_curve"]
+    assert [p["step"] for p in first] == [p["step"] for p in resumed] == [1, 2, 3, 4]
+    assert resumed[:2] == first[:2]

@@ -396,13 +396,13 @@ def _latest_checkpoint(out: Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def _save_checkpoint(out: Path, step: int, drafter, optimizer, scheduler, rng: random.Random) -> None:
+def _save_checkpoint(out: Path, step: int, drafter, optimizer, scheduler, rng: random.Random, curve: list) -> None:
     final = out / "checkpoints" / f"step-{step}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     drafter.save(tmp / "drafter")
     state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-             "rng": rng.getstate(), "torch_rng": torch.get_rng_state()}
+             "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "heldout_curve": curve}
     torch.save(state, tmp / "trainer.pt")
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
@@ -474,7 +474,7 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
     if eval_seqs and cfg.eval_every:
         heldout_batch = sample_blocks(eval_seqs[: cfg.batch_size], drafter.config.block_size, cfg.anchors_per_seq,
                                       drafter.config.mask_token_id, pad_id, random.Random(cfg.seed + 1))
-    curve: list[dict] = []
+    curve: list[dict] = list(state.get("heldout_curve", [])) if ckpt is not None else []  # kept across resumes
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="training", unit="step")
     for step in bar:
         batch = sample_blocks(rng.sample(seqs, min(cfg.batch_size, len(seqs))), drafter.config.block_size,
@@ -499,7 +499,7 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
             bar.write(json.dumps(curve[-1]))
         bar.set_postfix(postfix)
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-            _save_checkpoint(out, step + 1, drafter, optimizer, scheduler, rng)
+            _save_checkpoint(out, step + 1, drafter, optimizer, scheduler, rng, curve)
 
     final = drafter.save(out / "drafter", dtype=getattr(torch, cfg.save_dtype))
     report = {"steps": cfg.steps, "final_loss": loss.item() if cfg.steps > start else None,
