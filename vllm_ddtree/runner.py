@@ -19,7 +19,13 @@ import torch
 
 from vllm_ddtree import config as ddtree_config
 from vllm_ddtree.attention.layers import target_attention_layers, wrap_tree_attention
-from vllm_ddtree.attention.metadata import ATTRIBUTE as TREE_METADATA, TreeAttentionMetadataBuilder
+from vllm_ddtree.attention.metadata import ATTRIBUTE as TREE_METADATA
+from vllm_ddtree.attention.metadata import (
+    PersistentTreeBuffers,
+    TreeAttentionMetadataBuilder,
+    dummy_tree_step,
+    full_cuda_graphs_requested,
+)
 from vllm_ddtree.kv.compact import compact_accepted_kv_, slot_mapping_of
 from vllm_ddtree.tree import WalkResult
 from vllm_ddtree.verify.scorer import accepted_path_moves, node_tokens, output_logprobs, sampled_token_ids, walk_step
@@ -107,7 +113,7 @@ def install_runner_hooks() -> None:
     def __init__(original, self, vllm_config, device, *args, **kwargs):
         spec = vllm_config.speculative_config
         settings = getattr(spec, ddtree_config.ATTRIBUTE, None) if spec is not None else None
-        if settings is not None:
+        if settings is not None and not full_cuda_graphs_requested():
             disable_full_cuda_graphs(vllm_config.compilation_config, logger)
         original(self, vllm_config, device, *args, **kwargs)
         self._ddtree = None
@@ -149,7 +155,12 @@ def install_runner_hooks() -> None:
                 for gid, group in enumerate(self.kv_cache_config.kv_cache_groups)
                 for name in group.layer_names
             }
-            state.attention = TreeAttentionMetadataBuilder(set(state.layers))
+            mode = self.compilation_config.cudagraph_mode
+            persistent = None
+            if full_cuda_graphs_requested() and mode is not None and mode.has_full_cudagraphs():
+                persistent = PersistentTreeBuffers.allocate(self.max_num_reqs, state.width, self.device)
+                logger.info("DDTree: FULL CUDA graphs for uniform tree-verification batches (%s)", mode.name)
+            state.attention = TreeAttentionMetadataBuilder(set(state.layers), persistent)
         return result
 
     @_hook(GPUModelRunner, "_prepare_inputs")
@@ -187,6 +198,12 @@ def install_runner_hooks() -> None:
             state.timer.mark("vllm_attention_metadata")
             state.attention.attach(state.step, result[0])
             state.timer.mark("tree_attention_metadata")
+        elif state is not None and state.attention is not None and state.attention.persistent is not None:
+            # A dummy run (warm-up or FULL-graph capture) of a uniform verification batch: capture the tree
+            # attention path, reading the persistent buffers that real steps write before each replay.
+            num_reqs, num_tokens = kwargs.get("num_reqs"), kwargs.get("num_tokens")
+            if kwargs.get("max_query_len") == state.width and num_reqs and num_tokens == num_reqs * state.width:
+                state.attention.attach(dummy_tree_step(num_reqs, state.width, self.device), result[0])
         return result
 
     @_hook(GPUModelRunner, "_sample")

@@ -127,3 +127,25 @@ def context_attention_with_lse(case: TreeCase) -> tuple[torch.Tensor, torch.Tens
         ).to(out.dtype)
         lse[:, start : start + num_nodes] = scores.logsumexp(-1)
     return out, lse
+
+
+def as_persistent_layout(tree: TreeAttentionMetadata, padding: int) -> TreeAttentionMetadata:
+    """`tree` as the FULL-CUDA-graph path lays it out (`PersistentTreeBuffers`): int32 query starts, sequence
+    lengths and node counts, a uint8 mask, and `padding` extra requests with 0 nodes and no context."""
+    import dataclasses
+
+    def pad(values: torch.Tensor, fill: int) -> torch.Tensor:
+        return torch.cat([values, values.new_full((padding, *values.shape[1:]), fill)]).to(torch.int32)
+
+    num_tokens_end = int(tree.query_start[-1]) + int(tree.num_nodes[-1])
+    return dataclasses.replace(
+        tree,
+        num_nodes_cpu=list(tree.num_nodes_cpu) + [0] * padding,
+        query_start=pad(tree.query_start, num_tokens_end),
+        seq_lens=pad(tree.seq_lens, 0),
+        num_nodes=pad(tree.num_nodes, 0),
+        block_table=pad(tree.block_table, 0),
+        node_mask=torch.cat([tree.node_mask, tree.node_mask.new_zeros((padding, *tree.node_mask.shape[1:]))]).to(
+            torch.uint8
+        ),
+    )

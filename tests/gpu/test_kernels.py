@@ -109,6 +109,31 @@ def test_split_tree_attention_matches_reference(case_args):
     assert err < TOLERANCE[dtype], f"relative error {err:.2e} for {_ids(case_args)}"
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one_pass", "split"])
+def test_tree_attention_persistent_layout(split):
+    """The FULL-CUDA-graph layout: int32 metadata, uint8 masks and padding requests with 0 nodes (nothing written
+    for them), same result as the reference."""
+    from tests.gpu.cases import as_persistent_layout, context_attention_with_lse
+    from vllm_ddtree.attention.reference import tree_attention_reference_
+    from vllm_ddtree.attention.triton_tree import tree_attention_split_, tree_attention_triton_
+
+    b, budget, ctx, (hq, hkv), hd, dtype = GRID[0]
+    case = make_case(b, budget, ctx, hq, hkv, hd, dtype, DEVICE, seed=5)
+    ref = torch.full_like(case.query, float("nan"))
+    tree_attention_reference_(case.query, case.kv, case.tree, case.scale, ref)
+    t = as_persistent_layout(case.tree, padding=3)
+    out = torch.full_like(case.query, float("nan"))
+    args = (case.query, case.kv.keys, case.kv.values, t.block_table, t.query_start, t.seq_lens, t.num_nodes,
+            t.node_mask, t.max_seq_len, case.scale)  # fmt: skip
+    if split:
+        tree_attention_split_(*args, *context_attention_with_lse(case), out)
+    else:
+        tree_attention_triton_(*args, out)
+    rows = case.tree_rows
+    assert torch.isfinite(out[rows]).all() and torch.isnan(out[~rows]).all()
+    assert _relative_error(out[rows], ref[rows]) < TOLERANCE[dtype]
+
+
 def _random_moves(num_reqs: int, moves: int, slots_per_req: int, gen: torch.Generator):
     """Per request: nodes 1..moves+... get slots; the accepted path p_1 < p_2 < ... with p_d >= d moves to d."""
     src, dst = [], []

@@ -4,18 +4,55 @@ vLLM's own metadata builder still builds the backend's metadata for the whole ba
 the tree requests, with causal masks). `TreeAttentionMetadataBuilder` adds what the tree requests need on top:
 which requests are trees, where their nodes are, and each node's ancestor mask. It is attached to the backend's
 metadata as the attribute `ddtree`, so it reaches the attention layers through vLLM's forward context.
+
+FULL CUDA graphs (opt-in, `VLLM_DDTREE_FULL_CUDA_GRAPHS=1`): a graph replays the kernel launches of its capture,
+so the tree inputs must live at fixed addresses. With `PersistentTreeBuffers`, a step whose requests are all trees
+writes its masks, node counts and context lengths into preallocated buffers and points everything else at vLLM's
+own persistent tensors (query_start_loc, seq_lens, block table), padded to the backend's (padded) request count with
+0-node requests; the capture's dummy batch is laid out the same way (`dummy_tree_step`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import os
+
 import torch
 
 from vllm_ddtree.tree import ancestor_mask
-from vllm_ddtree.verify.step import TreeStep, to_device
+from vllm_ddtree.verify.step import TreeStep, build_tree_step, to_device
 
 ATTRIBUTE = "ddtree"
+FULL_CUDA_GRAPHS_ENV = "VLLM_DDTREE_FULL_CUDA_GRAPHS"
+
+
+def full_cuda_graphs_requested() -> bool:
+    """Opt-in while the FULL-graph path is unmeasured: keep vLLM's FULL_AND_PIECEWISE cudagraph mode for DDTree."""
+    return os.environ.get(FULL_CUDA_GRAPHS_ENV, "0") == "1"
+
+
+@dataclass
+class PersistentTreeBuffers:
+    """Fixed-address tree inputs for FULL CUDA graphs, one row per request slot of the batch."""
+
+    node_mask: torch.Tensor  # [max_reqs, N, N] uint8
+    num_nodes: torch.Tensor  # [max_reqs] int32
+    context_lens: torch.Tensor  # [max_reqs] int32
+
+    @classmethod
+    def allocate(cls, max_reqs: int, width: int, device: torch.device) -> "PersistentTreeBuffers":
+        return cls(
+            node_mask=torch.zeros((max_reqs, width, width), dtype=torch.uint8, device=device),
+            num_nodes=torch.zeros(max_reqs, dtype=torch.int32, device=device),
+            context_lens=torch.zeros(max_reqs, dtype=torch.int32, device=device),
+        )
+
+
+def dummy_tree_step(num_reqs: int, width: int, device: torch.device) -> TreeStep:
+    """Every request a full chain of `width` nodes: the layout of a uniform verification batch (graph capture)."""
+    logits_indices = torch.arange(num_reqs * width, device=device)
+    return build_tree_step([width - 1] * num_reqs, logits_indices, None, None, [-1] * num_reqs, width)
 
 
 @dataclass
@@ -43,14 +80,17 @@ class TreeAttentionMetadata:
 class TreeAttentionMetadataBuilder:
     """Builds `TreeAttentionMetadata` once per step; attaches it to each target layer's backend metadata."""
 
-    def __init__(self, target_layer_names: set[str]):
+    def __init__(self, target_layer_names: set[str], persistent: PersistentTreeBuffers | None = None):
         self.target_layer_names = target_layer_names
+        self.persistent = persistent
 
     def build(self, step: TreeStep, backend_metadata) -> TreeAttentionMetadata | None:
         if step.tree_reqs_cpu.size == 0:
             return None
         device = step.parents.device
         all_trees = step.tree_reqs_cpu.size == step.num_nodes_cpu.size
+        if all_trees and self.persistent is not None:
+            return self._build_persistent(step, backend_metadata)
         tree_reqs = step.tree_reqs if step.tree_reqs is not None else to_device(step.tree_reqs_cpu, device)
         seq_lens = backend_metadata.seq_lens[tree_reqs].to(torch.int64)
         max_seq_len = getattr(backend_metadata, "max_seq_len", None)
@@ -68,6 +108,31 @@ class TreeAttentionMetadataBuilder:
             covers_all_tokens=all_trees,
             cu_seqlens_q=backend_metadata.query_start_loc if all_trees else None,
             context_lens=(seq_lens - step.num_nodes[tree_reqs]).to(torch.int32) if all_trees else None,
+        )
+
+    def _build_persistent(self, step: TreeStep, backend_metadata) -> TreeAttentionMetadata:
+        """All-tree steps with FULL CUDA graphs: fixed-address tensors only, rows padded to the backend's request
+        count (padding requests have 0 nodes, so the kernels skip them)."""
+        buffers = self.persistent
+        num_reqs, padded = step.num_nodes.shape[0], backend_metadata.seq_lens.shape[0]
+        node_mask, num_nodes = buffers.node_mask[:padded], buffers.num_nodes[:padded]
+        node_mask[:num_reqs].copy_(ancestor_mask(step.parents))
+        node_mask[num_reqs:].zero_()
+        num_nodes[:num_reqs].copy_(step.num_nodes)
+        num_nodes[num_reqs:].zero_()
+        context_lens = torch.sub(backend_metadata.seq_lens, num_nodes, out=buffers.context_lens[:padded])
+        return TreeAttentionMetadata(
+            tree_reqs=step.tree_reqs if step.tree_reqs is not None else to_device(step.tree_reqs_cpu, node_mask.device),
+            num_nodes_cpu=step.num_nodes_cpu.tolist() + [0] * (padded - num_reqs),
+            query_start=backend_metadata.query_start_loc[:padded],
+            seq_lens=backend_metadata.seq_lens,
+            block_table=backend_metadata.block_table,
+            node_mask=node_mask,
+            num_nodes=num_nodes,
+            max_seq_len=int(backend_metadata.max_seq_len),
+            covers_all_tokens=True,
+            cu_seqlens_q=backend_metadata.query_start_loc,
+            context_lens=context_lens,
         )
 
     def attach(self, step: TreeStep, attn_metadata) -> None:

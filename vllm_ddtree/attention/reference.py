@@ -46,12 +46,14 @@ def tree_attention_reference_(
     query_start = tree.query_start.tolist()
     seq_lens = tree.seq_lens.tolist()
     for t, num_nodes in enumerate(tree.num_nodes_cpu):
+        if num_nodes == 0:  # a padding request (FULL CUDA graph batches)
+            continue
         start, seq_len = query_start[t], seq_lens[t]
         positions = torch.arange(seq_len, device=query.device)
         slots = tree.block_table[t].to(torch.int64)[positions // kv.block_size] * kv.block_size + (
             positions % kv.block_size
         )
         keys, values = kv.read(slots)
-        mask = tree_attention_mask(tree.node_mask[t, :num_nodes, :num_nodes], seq_len - num_nodes)
+        mask = tree_attention_mask(tree.node_mask[t, :num_nodes, :num_nodes].bool(), seq_len - num_nodes)
         out = masked_attention(query[start : start + num_nodes], keys, values, mask, scale)
         output[start : start + num_nodes] = out.to(output.dtype)

@@ -1,0 +1,63 @@
+"""The FULL-CUDA-graph layout of the tree metadata (`PersistentTreeBuffers`): the same trees as the regular
+build, at fixed addresses, padded to the backend's request count with 0-node requests."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from vllm_ddtree.attention.metadata import PersistentTreeBuffers, TreeAttentionMetadataBuilder, dummy_tree_step
+from vllm_ddtree.tree import build_draft_tree
+from vllm_ddtree.verify.step import build_tree_step
+
+WIDTH, MAX_REQS = 6, 8  # budget 5
+
+
+def uniform_step(num_reqs: int, seed: int):
+    """A verification step where every request has a full tree of WIDTH nodes (a uniform batch)."""
+    gen = torch.Generator().manual_seed(seed)
+    tree = build_draft_tree(torch.randn(num_reqs, 4, 50, generator=gen), torch.zeros(num_reqs, dtype=torch.long),
+                            budget=WIDTH - 1)
+    logits_indices = torch.arange(num_reqs * WIDTH)
+    return build_tree_step([WIDTH - 1] * num_reqs, logits_indices, tree.parents, tree.depths, list(range(num_reqs)),
+                           WIDTH)
+
+
+def backend_metadata(num_reqs: int, padded: int, seed: int):
+    """FA3-like metadata over `padded` request slots (vLLM pads seq_lens with 0 and query starts with the end)."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = torch.zeros(padded, dtype=torch.int32)
+    seq_lens[:num_reqs] = torch.randint(WIDTH, 100, (num_reqs,), generator=gen, dtype=torch.int32)
+    query_start_loc = torch.full((padded + 1,), num_reqs * WIDTH, dtype=torch.int32)
+    query_start_loc[: num_reqs + 1] = torch.arange(num_reqs + 1, dtype=torch.int32) * WIDTH
+    return SimpleNamespace(seq_lens=seq_lens, query_start_loc=query_start_loc, max_seq_len=int(seq_lens.max()),
+                           block_table=torch.randint(0, 50, (padded, 7), generator=gen, dtype=torch.int32))
+
+
+def test_persistent_build_matches_the_regular_one_at_fixed_addresses():
+    regular = TreeAttentionMetadataBuilder(set())
+    persistent = TreeAttentionMetadataBuilder(set(), PersistentTreeBuffers.allocate(MAX_REQS, WIDTH, torch.device("cpu")))
+    addresses = set()
+    for seed, (num_reqs, padded) in enumerate([(3, 4), (5, 8), (2, 2)]):
+        step, backend = uniform_step(num_reqs, seed), backend_metadata(num_reqs, padded, seed)
+        want, got = regular.build(step, backend), persistent.build(step, backend)
+        assert got.covers_all_tokens and got.node_mask.shape == (padded, WIDTH, WIDTH)
+        assert torch.equal(got.node_mask[:num_reqs].bool(), want.node_mask)
+        assert not got.node_mask[num_reqs:].any() and not got.num_nodes[num_reqs:].any()
+        assert torch.equal(got.num_nodes[:num_reqs].long(), want.num_nodes)
+        assert torch.equal(got.context_lens[:num_reqs], want.context_lens)
+        assert not got.context_lens[num_reqs:].any()
+        assert torch.equal(got.query_start[:num_reqs].long(), want.query_start)
+        assert got.num_nodes_cpu == want.num_nodes_cpu + [0] * (padded - num_reqs)
+        # vLLM's persistent tensors are used as they are; the tree's own inputs stay in the buffers.
+        assert got.query_start.data_ptr() == backend.query_start_loc.data_ptr()
+        assert got.block_table is backend.block_table and got.seq_lens is backend.seq_lens
+        addresses.add((got.node_mask.data_ptr(), got.num_nodes.data_ptr(), got.context_lens.data_ptr()))
+    assert len(addresses) == 1
+
+
+def test_dummy_step_is_a_full_chain_per_request():
+    step = dummy_tree_step(3, WIDTH, torch.device("cpu"))
+    assert step.num_nodes.tolist() == [WIDTH] * 3 and step.tree_reqs_cpu.tolist() == [0, 1, 2]
+    assert step.parents.tolist() == [list(range(-1, WIDTH - 1))] * 3
