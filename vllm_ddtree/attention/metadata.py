@@ -89,9 +89,9 @@ class TreeAttentionMetadataBuilder:
             return None
         device = step.parents.device
         all_trees = step.tree_reqs_cpu.size == step.num_nodes_cpu.size
-        if all_trees and self.persistent is not None:
-            return self._build_persistent(step, backend_metadata)
         tree_reqs = step.tree_reqs if step.tree_reqs is not None else to_device(step.tree_reqs_cpu, device)
+        if all_trees and self.persistent is not None:
+            return self._build_persistent(step, backend_metadata, tree_reqs)
         seq_lens = backend_metadata.seq_lens[tree_reqs].to(torch.int64)
         max_seq_len = getattr(backend_metadata, "max_seq_len", None)
         if max_seq_len is None:  # backends without a host copy (CPU): one sync per step
@@ -110,7 +110,7 @@ class TreeAttentionMetadataBuilder:
             context_lens=(seq_lens - step.num_nodes[tree_reqs]).to(torch.int32) if all_trees else None,
         )
 
-    def _build_persistent(self, step: TreeStep, backend_metadata) -> TreeAttentionMetadata:
+    def _build_persistent(self, step: TreeStep, backend_metadata, tree_reqs: torch.Tensor) -> TreeAttentionMetadata:
         """All-tree steps with FULL CUDA graphs: fixed-address tensors only, rows padded to the backend's request
         count (padding requests have 0 nodes, so the kernels skip them)."""
         buffers = self.persistent
@@ -122,7 +122,7 @@ class TreeAttentionMetadataBuilder:
         num_nodes[num_reqs:].zero_()
         context_lens = torch.sub(backend_metadata.seq_lens, num_nodes, out=buffers.context_lens[:padded])
         return TreeAttentionMetadata(
-            tree_reqs=step.tree_reqs if step.tree_reqs is not None else to_device(step.tree_reqs_cpu, node_mask.device),
+            tree_reqs=tree_reqs,
             num_nodes_cpu=step.num_nodes_cpu.tolist() + [0] * (padded - num_reqs),
             query_start=backend_metadata.query_start_loc[:padded],
             seq_lens=backend_metadata.seq_lens,
