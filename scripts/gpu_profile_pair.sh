@@ -10,7 +10,7 @@ export PYTHONPATH="/tmp/pkgs:$PYTHONPATH"
 [ -d /tmp/smollm2 ] || python scripts/convert_smollm2.py --out /tmp/smollm2 > "$OUT/convert.log" 2>&1
 timeout "${PROFILE_S:-560}" python scripts/bench_step.py --target /tmp/smollm2 \
   --drafter vllm_ddtree/drafters/smollm2-135m-instruct-dflash --methods "${METHODS:-ddtree,dflash-v1,dflash,none}" \
-  --batches "${BATCHES:-1,16}" --budget 15 --prompt-len 256 --steps 32 --repeats 2 --torch-profile \
+  --batches "${BATCHES:-1,16}" --budget 15 --prompt-len 256 --steps 32 --repeats 2 --torch-profile --sync-report \
   --out /tmp/step/step.json > "$OUT/step.log" 2>&1
 echo "bench_step rc=$?"
 tar -C /tmp/step -czf "$OUT/step.tgz" .  # at most 8 files come back: one archive

@@ -13,8 +13,12 @@ Differences between the two that the plugin meets (0.26 -> 0.32):
   tensor per layer, logical [num_blocks, H, block_size, 2 * head_size] (keys then values), with the physical order
   set by the NHD/HND layout, and write it before `impl.forward` (`forward_includes_kv_cache_update = False`);
   see `kv/paged.py`. FLASH_ATTN and FLASHINFER take only float16/bfloat16; float32 runs on TRITON_ATTN.
-- Both default to cudagraph_mode FULL_AND_PIECEWISE on GPU; full graphs would replay the tree attention of the
-  capture step, so DDTree turns them into piecewise graphs (`disable_full_cuda_graphs`).
+- Both default to cudagraph_mode FULL_AND_PIECEWISE on GPU. DDTree keeps it (tree inputs at fixed addresses, see
+  attention/metadata.py); VLLM_DDTREE_FULL_CUDA_GRAPHS=0 turns it into PIECEWISE (`disable_full_cuda_graphs`).
+  With FULL decode graphs the V1 runner rounds every capture size up to a multiple of B + 1.
+- 0.26's `DFlashProposer` sizes its query buffers (`positions`, `_slot_mapping_buffer`) for max_num_seqs * (1 +
+  its speculative tokens) only, while its CUDA-graph dispatcher may pad a query batch up to the largest capture
+  size; 0.32 sizes them for that padding (`max_padded_query_tokens`). `pad_dflash_query_buffers` does it on 0.26.
 - `DFlashProposer`, `propose_draft_token_ids`, `_sample`, `initialize_kv_cache`, `input_batch.block_table[g]
   .slot_mapping`, `self.positions` (a plain tensor) and `self.input_ids` (a CPU/GPU buffer) match.
 """
@@ -66,6 +70,28 @@ def choose_v1_model_runner(is_ddtree, logger) -> None:
 
     use_v2_model_runner._ddtree_hook = True
     VllmConfig.use_v2_model_runner = property(use_v2_model_runner)
+
+
+def pad_dflash_query_buffers(proposer, vllm_config) -> None:
+    """Grow the DFlash proposer's query buffers to the largest CUDA-graph capture size, as vLLM 0.32 does.
+
+    DDTree drafts D = depth tokens per request but verifies B + 1 nodes, and with FULL decode graphs vLLM's V1
+    runner rounds every capture size up to a multiple of B + 1. The drafter shares those sizes and pads its
+    max_num_seqs * (D + 1) query tokens up to one of them, past the end of 0.26's buffers (seen on the H200:
+    B = 64, block size 4 read garbage positions and hit a device-side assert in RoPE). No-op on 0.32.
+    """
+    import torch
+
+    if hasattr(proposer, "max_padded_query_tokens"):
+        return
+    size = max(proposer.max_query_tokens, vllm_config.compilation_config.max_cudagraph_capture_size or 0)
+    if proposer.positions.shape[0] >= size:
+        return
+    device = proposer.positions.device
+    proposer.positions = torch.zeros(size, dtype=proposer.positions.dtype, device=device)
+    proposer._slot_mapping_buffer = torch.zeros(size, dtype=proposer._slot_mapping_buffer.dtype, device=device)
+    proposer.max_positions = proposer.max_num_tokens + size
+    proposer.arange = torch.arange(proposer.max_positions + 1, dtype=proposer.arange.dtype, device=device)
 
 
 def disable_full_cuda_graphs(compilation_config, logger) -> None:
@@ -141,6 +167,7 @@ __all__ = [
     "flash_attn_varlen",
     "init_logger",
     "metrics_loggers",
+    "pad_dflash_query_buffers",
     "prepare_inputs_outputs",
     "shutdown_llm",
     "validation_error",

@@ -14,7 +14,7 @@ import copy
 
 import torch
 
-from vllm_ddtree.compat import DFlashProposer
+from vllm_ddtree.compat import DFlashProposer, pad_dflash_query_buffers
 from vllm_ddtree.tree import DraftTree, build_draft_tree
 
 
@@ -30,6 +30,7 @@ def _config_with_num_speculative_tokens(vllm_config, num_tokens: int):
 class DDTreeProposer(DFlashProposer):
     def __init__(self, vllm_config, device: torch.device, runner, budget: int, depth: int, max_topk: int | None):
         super().__init__(_config_with_num_speculative_tokens(vllm_config, depth), device, runner)
+        pad_dflash_query_buffers(self, vllm_config)
         self.budget = budget
         self.depth = depth
         self.max_topk = max_topk
