@@ -222,7 +222,12 @@ def main() -> None:
         init_s = time.perf_counter() - start
         if prompts is None:
             prompts = load_prompts(args, llm.get_tokenizer() if args.load_format != "dummy" else None)
-        measure(llm, prompts[:2], 2, 0.0, 8, seed=0)  # warm-up
+        # Warm-up at every measured batch size and temperature: first-time work (Triton compiles for a new
+        # shape, lazily built sampling paths) must not land in the timed runs (seen on the H200 in session 12:
+        # DDTree B=16 at T=0, batch 16, the first batch-16 run, took 1.7x longer than at T=1).
+        for temperature in args.temperatures:
+            for batch in args.batch_sizes:
+                measure(llm, prompts[:batch], batch, temperature, 32, seed=0)
         for temperature in args.temperatures:
             for batch in args.batch_sizes:
                 group = prompts[: max(batch, args.min_prompts)]
