@@ -36,8 +36,12 @@ K tokens of that ranking, as with a stable sort; K = 1 gives torch.argmax's toke
 their children, so every prefix of the node list is a valid subtree (vLLM may truncate the draft to its first
 n tokens).
 
-Devices: CPU and CUDA pick the same top-K tokens; the log-normaliser (logsumexp) may differ by ~1 ulp between
-them, which can shift `log_probs` by that much and reorder nodes whose scores are within that distance.
+Devices: on CUDA one torch.topk picks the K tokens of a depth and ranks them by logit; among tokens tied at the
+K-th place it keeps some, and it orders equal logits its own (deterministic) way, not by token id. The exact rule
+above costs a second top-k over the vocabulary and two sorts (~0.5 ms of host time per step, and several passes
+over [R, D, V] on the GPU), and a tree is lossless whichever tied token it holds, so it is kept for the CPU path
+(the reference the oracles check). The log-normaliser (logsumexp) may also differ by ~1 ulp between devices,
+which can shift `log_probs` by that much and reorder nodes whose scores are within that distance.
 """
 
 import functools
@@ -103,8 +107,18 @@ def _stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _top_tokens(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-depth top-k tokens ranked by logit descending (equal logits: lower id first) and their float32
-    log-probabilities, non-increasing along the last dim.
+    """Per-depth top-k tokens ranked by logit descending and their float32 log-probabilities, non-increasing
+    along the last dim. Equal logits: lower id first on the CPU, torch.topk's choice on CUDA (module docstring)."""
+    if draft_logits.is_cuda:
+        logits, token_ids = torch.topk(draft_logits, k, dim=-1, sorted=True)  # [R, D, K]
+    else:
+        token_ids, logits = _top_tokens_lowest_ids_first(draft_logits, k)
+    log_z = torch.logsumexp(draft_logits.float(), dim=-1, keepdim=True)  # [R, D, 1]
+    return token_ids, logits.float() - log_z  # [R, D, K] int64, [R, D, K] float32
+
+
+def _top_tokens_lowest_ids_first(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([R, D, K] token ids, [R, D, K] their logits): the exact tie rule of the module docstring.
 
     torch.topk alone picks arbitrarily among tokens tied at the k-th place, so a second top-k over an int32
     key takes every token strictly above the k-th logit, then the lowest ids among those equal to it.
@@ -117,9 +131,7 @@ def _top_tokens(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     token_ids = torch.sort(token_ids, dim=-1).values  # [R, D, K] ascending ids
     logits = draft_logits.gather(-1, token_ids)
     logits, by_logit = torch.sort(logits, dim=-1, descending=True, stable=True)
-    token_ids = token_ids.gather(-1, by_logit)
-    log_z = torch.logsumexp(draft_logits.float(), dim=-1, keepdim=True)  # [R, D, 1]
-    return token_ids, logits.float() - log_z  # [R, D, K] int64, [R, D, K] float32
+    return token_ids.gather(-1, by_logit), logits
 
 
 @functools.lru_cache(maxsize=1024)
@@ -250,9 +262,9 @@ def build_draft_tree(
     Returns a `DraftTree` on draft_logits' device; see the module docstring for the node order.
     On CUDA the selection after the top-k is one Triton launch (tree/triton_build.py, the same tree;
     VLLM_DDTREE_TREE_KERNELS=torch forces the tensor-op beam below).
-    No host-device synchronisation; the Python loop runs over depth only. Cost: two top-k passes over V
-    per depth (the second makes ties exact) and a transient float32 copy of the logits for the log-normaliser,
-    then about budget * ln(budget) candidates per depth. Requires V < 2^30.
+    No host-device synchronisation; the Python loop runs over depth only. Cost: one top-k pass over V per
+    depth on CUDA (two on the CPU, the second makes ties exact) and a transient float32 copy of the logits for the
+    log-normaliser, then about budget * ln(budget) candidates per depth. Requires V < 2^30.
     """
     _check_args(draft_logits, root_token_ids, budget, max_topk)
     vocab = draft_logits.shape[2]
