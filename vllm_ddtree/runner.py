@@ -28,7 +28,7 @@ from vllm_ddtree.attention.metadata import (
 )
 from vllm_ddtree.kv.compact import compact_accepted_kv_, slot_mapping_of
 from vllm_ddtree.tree import WalkResult
-from vllm_ddtree.verify.scorer import accepted_path_moves, node_tokens, output_logprobs, sampled_token_ids, walk_step
+from vllm_ddtree.verify.scorer import node_tokens, output_logprobs, walk_and_moves
 from vllm_ddtree.verify.step import TreeStep, build_tree_step, chain_positions_, tree_positions_
 
 
@@ -219,8 +219,7 @@ def install_runner_hooks() -> None:
         step = state.step
         tokens = node_tokens(step, self.input_ids.gpu)  # [R, N]
         choices = choose_nodes(logits, step, sampling_metadata, tokens)  # [rows] tokens, [rows, V] processed logits
-        state.walk = walk_step(step, choices.token_ids, tokens, state.depth)
-        state.moves = accepted_path_moves(step, state.walk)
+        state.walk, state.moves, output = walk_and_moves(step, choices.token_ids, tokens, state.depth)
         state.timer.mark("walk")
         compact_accepted_kv_(
             state.layers,
@@ -231,7 +230,6 @@ def install_runner_hooks() -> None:
             tables=state.kv_tables,
         )
         state.timer.mark("kv_compaction")
-        output = sampled_token_ids(state.walk, state.width).to(torch.int32)
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:
             from vllm_ddtree.compat import LogprobsTensors

@@ -1,6 +1,7 @@
 """The Triton tree kernels give exactly the tensor-op versions' results: the best-first builder
 (tree/triton_build.py) the torch builder's trees, the ancestor mask (tree/triton_layout.py) and the walk
-(tree/triton_walk.py) the pointer-doubling versions' masks and paths, on every tree built here.
+(tree/triton_walk.py) the pointer-doubling versions' masks and paths, and its fused form (walk + accepted-path
+moves + sampler output) the verify.scorer functions' results, on every tree built here.
 
 CI has no GPU, so the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, numpy on the CPU) in a
 subprocess (the switch is read when the kernel is defined). The torch builder is itself checked against brute
@@ -77,6 +78,36 @@ def check_walk(tree, depth: int, gen, walk_tree, walk_tree_triton, case) -> None
     got = walk_tree_triton(tree.token_ids, tree.parents, target, num_nodes, depth)
     for name, value in zip(("path_nodes", "num_accepted", "output_token_ids"), got):
         assert torch.equal(value, getattr(expected, name)), (case, name, value, getattr(expected, name))
+    check_walk_and_moves(tree, depth, gen, target, num_nodes, expected, case)
+
+
+def check_walk_and_moves(tree, depth: int, gen, target, num_nodes, expected_walk, case) -> None:
+    """The fused launch (walk + accepted-path moves + sampler output) against `accepted_path_moves` and
+    `sampled_token_ids` on the torch walk. Requests lay out at least the walked nodes (more: a placeholder
+    request walks its root only), consecutively, padding aliasing the last laid-out node as in `TreeStep`."""
+    import numpy as np
+    import torch
+
+    from vllm_ddtree.tree.triton_walk import walk_and_moves_triton
+    from vllm_ddtree.verify.scorer import accepted_path_moves, sampled_token_ids
+    from vllm_ddtree.verify.step import TreeStep
+
+    num_req, n = tree.token_ids.shape
+    laid_out = torch.maximum(num_nodes, torch.randint(1, n + 1, (num_req,), generator=gen))  # [R]
+    start = torch.cumsum(laid_out, 0) - laid_out
+    node_index = start[:, None] + torch.minimum(torch.arange(n)[None, :], laid_out[:, None] - 1)  # [R, N]
+    step = TreeStep(num_nodes=laid_out, parents=tree.parents, depths=tree.depths, node_rows=node_index,
+                    node_token_index=node_index, num_nodes_cpu=laid_out.numpy(), tree_reqs_cpu=np.arange(num_req))
+    *walk, src, dst, sampled = walk_and_moves_triton(
+        tree.token_ids, tree.parents, target, num_nodes, depth, node_index, laid_out
+    )
+    for name, value in zip(("path_nodes", "num_accepted", "output_token_ids"), walk):
+        assert torch.equal(value, getattr(expected_walk, name)), (case, name)
+    expected_src, expected_dst = accepted_path_moves(step, expected_walk)
+    assert torch.equal(src.flatten(), expected_src), (case, src, expected_src)
+    assert torch.equal(dst.flatten(), expected_dst), (case, dst, expected_dst)
+    expected_sampled = sampled_token_ids(expected_walk, n).to(torch.int32)
+    assert torch.equal(sampled, expected_sampled), (case, sampled, expected_sampled)
 
 
 @pytest.mark.slow

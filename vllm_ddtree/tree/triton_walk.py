@@ -23,9 +23,19 @@ def _walk_kernel(
     path_ptr,  # [R, D+1] int64 out: node at each depth of the path, -1 after its end
     num_accepted_ptr,  # [R] int64 out
     output_ptr,  # [R, D+1] int64 out: accepted tokens, then the bonus token, -1 padded
+    node_index_ptr,  # [R, N] int64 (MOVES) each node's index among the step's scheduled tokens
+    num_laid_out_ptr,  # [R] int64 (MOVES) nodes laid out in the step (>= num_nodes; padding aliases the last)
+    src_ptr,  # [R, M] int64 out (MOVES): scheduled-token index whose row moves ...
+    dst_ptr,  # [R, M] int64 out (MOVES): ... to this index (src == dst: nothing moves)
+    sampled_ptr,  # [R, W] int32 out (MOVES): `output` cut or -1 padded to W columns (vLLM's sampler format)
     N,
     D,
+    M,  # min(D, W - 1)
+    W,
     BLOCK: tl.constexpr,  # power of two >= N
+    MOVES: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # power of two >= D + 1
+    BLOCK_M: tl.constexpr,  # power of two >= M
 ):
     req = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -33,6 +43,8 @@ def _walk_kernel(
     tokens = tl.load(token_ptr + req * N + cols, mask=valid, other=-1)
     parents = tl.load(parent_ptr + req * N + cols, mask=valid, other=-2).to(tl.int32)
     tl.store(path_ptr + req * (D + 1), 0)
+    depths = tl.arange(0, BLOCK_D)
+    path = tl.where(depths == 0, 0, -1)  # [BLOCK_D] the path so far, kept for the moves
     node = tl.program_id(0) * 0  # current node (the root), -1 once the walk has ended; int32
     accepted = node
     for depth in range(1, D + 1):
@@ -42,22 +54,61 @@ def _walk_kernel(
         tl.store(path_ptr + req * (D + 1) + depth, child.to(tl.int64))
         # An accepted child's token, or the bonus token where the walk stops (the choice at the last node).
         tl.store(output_ptr + req * (D + 1) + depth - 1, choice)
+        if MOVES:
+            path = tl.where(depths == depth, child, path)
+            tl.store(sampled_ptr + req * W + depth - 1, choice.to(tl.int32), mask=depth - 1 < W)
         accepted += (child >= 0).to(tl.int32)
         node = child
     # Every depth accepted: the bonus token is the choice at the deepest node.
-    tl.store(output_ptr + req * (D + 1) + D, tl.load(target_ptr + req * N + node, mask=node >= 0, other=-1))
+    last = tl.load(target_ptr + req * N + node, mask=node >= 0, other=-1)
+    tl.store(output_ptr + req * (D + 1) + D, last)
     tl.store(num_accepted_ptr + req, accepted.to(tl.int64))
+    if MOVES:
+        tl.store(sampled_ptr + req * W + D, last.to(tl.int32), mask=D < W)
+        for pad in range(D + 1, W):
+            tl.store(sampled_ptr + req * W + pad, -1)
+        # Move i (depth i = 1..M): the node laid out at index i (clamped to the last laid-out node) receives the
+        # path's depth-i node where the path is that deep (the same rule as verify.scorer.accepted_path_moves).
+        moves = tl.arange(0, BLOCK_M)
+        in_moves = moves < M
+        index = tl.maximum(tl.minimum(moves + 1, tl.load(num_laid_out_ptr + req).to(tl.int32) - 1), 0)
+        path_at = tl.sum(tl.where(depths[None, :] == index[:, None], path[None, :], 0), axis=1)  # [BLOCK_M]
+        src_node = tl.where((index <= accepted) & (path_at >= 0), path_at, index)
+        src = tl.load(node_index_ptr + req * N + src_node, mask=in_moves, other=0)
+        dst = tl.load(node_index_ptr + req * N + index, mask=in_moves, other=0)
+        tl.store(src_ptr + req * M + moves, src, mask=in_moves)
+        tl.store(dst_ptr + req * M + moves, dst, mask=in_moves)
 
 
 def walk_tree_triton(token_ids, parents, target_token_ids, num_nodes, max_depth: int):
     """(path_nodes [R, D+1], num_accepted [R], output_token_ids [R, D+1]) as in `walk.walk_tree`."""
+    return _walk(token_ids, parents, target_token_ids, num_nodes, max_depth)[:3]
+
+
+def walk_and_moves_triton(token_ids, parents, target_token_ids, num_nodes, max_depth: int, node_index, num_laid_out):
+    """`walk_tree_triton`'s outputs, then the accepted path's moves (src, dst) [R, M] and the sampler output
+    [R, N] int32, in the same launch: the GPU path of `verify.scorer.walk_and_moves`."""
+    return _walk(token_ids, parents, target_token_ids, num_nodes, max_depth, node_index, num_laid_out)
+
+
+def _walk(token_ids, parents, target_token_ids, num_nodes, max_depth: int, node_index=None, num_laid_out=None):
     num_req, n = token_ids.shape
-    path = torch.empty(num_req, max_depth + 1, dtype=torch.int64, device=token_ids.device)
+    device = token_ids.device
+    path = torch.empty(num_req, max_depth + 1, dtype=torch.int64, device=device)
     output = torch.empty_like(path)
-    num_accepted = torch.empty(num_req, dtype=torch.int64, device=token_ids.device)
+    num_accepted = torch.empty(num_req, dtype=torch.int64, device=device)
+    moves = node_index is not None
+    num_moves = min(max_depth, n - 1)
+    src = torch.empty(num_req, num_moves if moves else 0, dtype=torch.int64, device=device)
+    dst = torch.empty_like(src)
+    sampled = torch.empty(num_req, n if moves else 0, dtype=torch.int32, device=device)
     if num_req:
         _walk_kernel[(num_req,)](
             token_ids.contiguous(), parents.contiguous(), target_token_ids.contiguous(), num_nodes.contiguous(),
-            path, num_accepted, output, n, max_depth, BLOCK=triton.next_power_of_2(n),
-        )
-    return path, num_accepted, output
+            path, num_accepted, output,
+            node_index.contiguous() if moves else path, num_laid_out.contiguous() if moves else num_accepted,
+            src, dst, sampled, n, max_depth, num_moves, n,
+            BLOCK=triton.next_power_of_2(n), MOVES=moves, BLOCK_D=triton.next_power_of_2(max_depth + 1),
+            BLOCK_M=triton.next_power_of_2(max(num_moves, 1)),
+        )  # fmt: skip
+    return path, num_accepted, output, src, dst, sampled

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from vllm_ddtree.tree import WalkResult, walk_tree
+from vllm_ddtree.tree.dispatch import use_triton
 from vllm_ddtree.verify.step import TreeStep
 
 PLACEHOLDER_TOKEN_ID = -1
@@ -27,8 +28,31 @@ def walk_step(
     max_depth: int,
 ) -> WalkResult:
     target = node_choices.to(torch.int64)[step.node_rows]  # [R, N]
-    num_walk_nodes = step.num_nodes if step.num_walk_nodes is None else step.num_walk_nodes
-    return walk_tree(tokens, step.parents, step.depths, target, num_walk_nodes, max_depth)
+    return walk_tree(tokens, step.parents, step.depths, target, _num_walk_nodes(step), max_depth)
+
+
+def walk_and_moves(
+    step: TreeStep,
+    node_choices: torch.Tensor,  # [rows] the target's choice at every logits row
+    tokens: torch.Tensor,  # [R, N] the token of every node
+    max_depth: int,
+) -> tuple[WalkResult, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """What the runner needs after the target's choices: the walk, `accepted_path_moves` and the sampler output
+    (`sampled_token_ids` as int32, [R, N]). On CUDA all three come from one Triton launch."""
+    if use_triton(tokens):
+        from vllm_ddtree.tree.triton_walk import walk_and_moves_triton
+
+        target = node_choices.to(torch.int64)[step.node_rows]  # [R, N]
+        path, num_accepted, output, src, dst, sampled = walk_and_moves_triton(
+            tokens, step.parents, target, _num_walk_nodes(step), max_depth, step.node_token_index, step.num_nodes
+        )
+        return WalkResult(path, num_accepted, output), (src.flatten(), dst.flatten()), sampled
+    walk = walk_step(step, node_choices, tokens, max_depth)
+    return walk, accepted_path_moves(step, walk), sampled_token_ids(walk, step.width).to(torch.int32)
+
+
+def _num_walk_nodes(step: TreeStep) -> torch.Tensor:
+    return step.num_nodes if step.num_walk_nodes is None else step.num_walk_nodes
 
 
 def sampled_token_ids(walk: WalkResult, width: int) -> torch.Tensor:
