@@ -261,7 +261,8 @@ def install_runner_hooks() -> None:
             state.timer.mark("vllm_sampler_output")
         if state is not None and state.moves is not None:
             src, dst = state.moves
-            for tensor in [self.input_ids.gpu, hidden_states, *(aux_hidden_states or [])]:
+            # The drafter reads the target layers' hidden states (aux) when vLLM collects them, else the last one.
+            for tensor in [self.input_ids.gpu, *(aux_hidden_states or [hidden_states])]:
                 tensor[dst] = tensor[src]
             chain_positions_(self.positions, state.step)
         draft_token_ids = original(
