@@ -6,7 +6,8 @@ One decode step, in the order vLLM calls the hooks:
   `_prepare_inputs`            the scheduled drafts are last step's tree: lay it out, positions = root + depth
   `_build_attention_metadata`  attach ancestor masks to the target layers' attention metadata
   (target forward)             tree requests attend along their root paths (`TreeAttentionMetadata`)
-  `_sample`                    target choice per node, walk, accepted path + bonus; move the path's KV in place
+  `_sample`                    target choice per node, walk, accepted path + bonus; move the path's KV in place;
+                               positions back in chain order
   `propose_draft_token_ids`    move the path's hidden states to the front, run the drafter, build the next tree
 """
 
@@ -28,8 +29,8 @@ from vllm_ddtree.attention.metadata import (
 )
 from vllm_ddtree.kv.compact import compact_accepted_kv_, slot_mapping_of
 from vllm_ddtree.tree import WalkResult
-from vllm_ddtree.verify.scorer import node_tokens, output_logprobs, walk_and_moves
-from vllm_ddtree.verify.step import TreeStep, build_tree_step, chain_positions_, tree_positions_
+from vllm_ddtree.verify.scorer import node_tokens, output_logprobs, walk_and_moves_
+from vllm_ddtree.verify.step import TreeStep, build_tree_step, tree_positions_
 
 
 @dataclass
@@ -219,7 +220,9 @@ def install_runner_hooks() -> None:
         step = state.step
         tokens = node_tokens(step, self.input_ids.gpu)  # [R, N]
         choices = choose_nodes(logits, step, sampling_metadata, tokens)  # [rows] tokens, [rows, V] processed logits
-        state.walk, state.moves, output = walk_and_moves(step, choices.token_ids, tokens, state.depth)
+        state.walk, state.moves, output = walk_and_moves_(
+            step, choices.token_ids, tokens, state.depth, self.positions
+        )
         state.timer.mark("walk")
         compact_accepted_kv_(
             state.layers,
@@ -264,7 +267,6 @@ def install_runner_hooks() -> None:
             # The drafter reads the target layers' hidden states (aux) when vLLM collects them, else the last one.
             for tensor in [self.input_ids.gpu, *(aux_hidden_states or [hidden_states])]:
                 tensor[dst] = tensor[src]
-            chain_positions_(self.positions, state.step)
         draft_token_ids = original(
             self,
             scheduler_output,

@@ -82,15 +82,16 @@ def check_walk(tree, depth: int, gen, walk_tree, walk_tree_triton, case) -> None
 
 
 def check_walk_and_moves(tree, depth: int, gen, target, num_nodes, expected_walk, case) -> None:
-    """The fused launch (walk + accepted-path moves + sampler output) against `accepted_path_moves` and
-    `sampled_token_ids` on the torch walk. Requests lay out at least the walked nodes (more: a placeholder
-    request walks its root only), consecutively, padding aliasing the last laid-out node as in `TreeStep`."""
+    """The fused launch (walk + accepted-path moves + sampler output + chain positions) against
+    `accepted_path_moves`, `sampled_token_ids` and `chain_positions_` on the torch walk. Requests lay out at least
+    the walked nodes (more: a placeholder request walks its root only), consecutively, padding aliasing the last
+    laid-out node as in `TreeStep`."""
     import numpy as np
     import torch
 
-    from vllm_ddtree.tree.triton_walk import walk_and_moves_triton
+    from vllm_ddtree.tree.triton_walk import walk_and_moves_triton_
     from vllm_ddtree.verify.scorer import accepted_path_moves, sampled_token_ids
-    from vllm_ddtree.verify.step import TreeStep
+    from vllm_ddtree.verify.step import TreeStep, chain_positions_
 
     num_req, n = tree.token_ids.shape
     laid_out = torch.maximum(num_nodes, torch.randint(1, n + 1, (num_req,), generator=gen))  # [R]
@@ -98,9 +99,17 @@ def check_walk_and_moves(tree, depth: int, gen, target, num_nodes, expected_walk
     node_index = start[:, None] + torch.minimum(torch.arange(n)[None, :], laid_out[:, None] - 1)  # [R, N]
     step = TreeStep(num_nodes=laid_out, parents=tree.parents, depths=tree.depths, node_rows=node_index,
                     node_token_index=node_index, num_nodes_cpu=laid_out.numpy(), tree_reqs_cpu=np.arange(num_req))
-    *walk, src, dst, sampled = walk_and_moves_triton(
-        tree.token_ids, tree.parents, target, num_nodes, depth, node_index, laid_out
+    # Tree positions as the step laid them out: root position + depth (a padded entry repeats its alias).
+    root_positions = torch.randint(0, 1000, (num_req,), generator=gen)
+    positions = torch.full((int(laid_out.sum()) + 3,), -5, dtype=torch.int64)  # 3 tokens of no request
+    local_node = node_index - start[:, None]  # [R, N]
+    positions[node_index.flatten()] = (root_positions[:, None] + tree.depths.gather(1, local_node)).flatten()
+    expected_positions = positions.clone()
+    chain_positions_(expected_positions, step)
+    *walk, src, dst, sampled = walk_and_moves_triton_(
+        tree.token_ids, tree.parents, target, num_nodes, depth, node_index, laid_out, positions
     )
+    assert torch.equal(positions, expected_positions), (case, positions, expected_positions)
     for name, value in zip(("path_nodes", "num_accepted", "output_token_ids"), walk):
         assert torch.equal(value, getattr(expected_walk, name)), (case, name)
     expected_src, expected_dst = accepted_path_moves(step, expected_walk)

@@ -28,6 +28,7 @@ def _walk_kernel(
     src_ptr,  # [R, M] int64 out (MOVES): scheduled-token index whose row moves ...
     dst_ptr,  # [R, M] int64 out (MOVES): ... to this index (src == dst: nothing moves)
     sampled_ptr,  # [R, W] int32 out (MOVES): `output` cut or -1 padded to W columns (vLLM's sampler format)
+    positions_ptr,  # [num_tokens] int64 in/out (MOVES): node i laid out gets root position + i again (chain order)
     N,
     D,
     M,  # min(D, W - 1)
@@ -78,6 +79,11 @@ def _walk_kernel(
         dst = tl.load(node_index_ptr + req * N + index, mask=in_moves, other=0)
         tl.store(src_ptr + req * M + moves, src, mask=in_moves)
         tl.store(dst_ptr + req * M + moves, dst, mask=in_moves)
+        # Positions back in chain order for the drafter (verify.step.chain_positions_): root + laid-out index.
+        laid_out_index = tl.minimum(cols, tl.load(num_laid_out_ptr + req).to(tl.int32) - 1)
+        token = tl.load(node_index_ptr + req * N + cols, mask=cols < N, other=0)
+        root_position = tl.load(positions_ptr + tl.load(node_index_ptr + req * N))
+        tl.store(positions_ptr + token, root_position + laid_out_index, mask=cols < N)
 
 
 def walk_tree_triton(token_ids, parents, target_token_ids, num_nodes, max_depth: int):
@@ -85,13 +91,19 @@ def walk_tree_triton(token_ids, parents, target_token_ids, num_nodes, max_depth:
     return _walk(token_ids, parents, target_token_ids, num_nodes, max_depth)[:3]
 
 
-def walk_and_moves_triton(token_ids, parents, target_token_ids, num_nodes, max_depth: int, node_index, num_laid_out):
+def walk_and_moves_triton_(
+    token_ids, parents, target_token_ids, num_nodes, max_depth: int, node_index, num_laid_out, positions
+):
     """`walk_tree_triton`'s outputs, then the accepted path's moves (src, dst) [R, M] and the sampler output
-    [R, N] int32, in the same launch: the GPU path of `verify.scorer.walk_and_moves`."""
-    return _walk(token_ids, parents, target_token_ids, num_nodes, max_depth, node_index, num_laid_out)
+    [R, N] int32, with `positions` put back in chain order, in the same launch: the GPU path of
+    `verify.scorer.walk_and_moves_`."""
+    return _walk(token_ids, parents, target_token_ids, num_nodes, max_depth, node_index, num_laid_out, positions)
 
 
-def _walk(token_ids, parents, target_token_ids, num_nodes, max_depth: int, node_index=None, num_laid_out=None):
+def _walk(
+    token_ids, parents, target_token_ids, num_nodes, max_depth: int, node_index=None, num_laid_out=None,
+    positions=None,
+):
     num_req, n = token_ids.shape
     device = token_ids.device
     path = torch.empty(num_req, max_depth + 1, dtype=torch.int64, device=device)
@@ -107,7 +119,7 @@ def _walk(token_ids, parents, target_token_ids, num_nodes, max_depth: int, node_
             token_ids.contiguous(), parents.contiguous(), target_token_ids.contiguous(), num_nodes.contiguous(),
             path, num_accepted, output,
             node_index.contiguous() if moves else path, num_laid_out.contiguous() if moves else num_accepted,
-            src, dst, sampled, n, max_depth, num_moves, n,
+            src, dst, sampled, positions if moves else path, n, max_depth, num_moves, n,
             BLOCK=triton.next_power_of_2(n), MOVES=moves, BLOCK_D=triton.next_power_of_2(max_depth + 1),
             BLOCK_M=triton.next_power_of_2(max(num_moves, 1)),
         )  # fmt: skip

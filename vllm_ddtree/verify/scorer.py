@@ -11,7 +11,7 @@ import torch
 
 from vllm_ddtree.tree import WalkResult, walk_tree
 from vllm_ddtree.tree.dispatch import use_triton
-from vllm_ddtree.verify.step import TreeStep
+from vllm_ddtree.verify.step import TreeStep, chain_positions_
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -31,23 +31,27 @@ def walk_step(
     return walk_tree(tokens, step.parents, step.depths, target, _num_walk_nodes(step), max_depth)
 
 
-def walk_and_moves(
+def walk_and_moves_(
     step: TreeStep,
     node_choices: torch.Tensor,  # [rows] the target's choice at every logits row
     tokens: torch.Tensor,  # [R, N] the token of every node
     max_depth: int,
+    positions: torch.Tensor,  # [num_tokens] the step's positions (tree order), put back in chain order in place
 ) -> tuple[WalkResult, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     """What the runner needs after the target's choices: the walk, `accepted_path_moves` and the sampler output
-    (`sampled_token_ids` as int32, [R, N]). On CUDA all three come from one Triton launch."""
+    (`sampled_token_ids` as int32, [R, N]); `chain_positions_` is applied to `positions`. On CUDA all of it is
+    one Triton launch."""
     if use_triton(tokens):
-        from vllm_ddtree.tree.triton_walk import walk_and_moves_triton
+        from vllm_ddtree.tree.triton_walk import walk_and_moves_triton_
 
         target = node_choices.to(torch.int64)[step.node_rows]  # [R, N]
-        path, num_accepted, output, src, dst, sampled = walk_and_moves_triton(
-            tokens, step.parents, target, _num_walk_nodes(step), max_depth, step.node_token_index, step.num_nodes
+        path, num_accepted, output, src, dst, sampled = walk_and_moves_triton_(
+            tokens, step.parents, target, _num_walk_nodes(step), max_depth, step.node_token_index, step.num_nodes,
+            positions,
         )
         return WalkResult(path, num_accepted, output), (src.flatten(), dst.flatten()), sampled
     walk = walk_step(step, node_choices, tokens, max_depth)
+    chain_positions_(positions, step)
     return walk, accepted_path_moves(step, walk), sampled_token_ids(walk, step.width).to(torch.int32)
 
 
