@@ -3,7 +3,7 @@
 # command of docs/drafter.md; the result comes back as $OUT/drafter.tar.xz.part* (+ report, log).
 # Defaults after the first run (3,000 prompts, HF generation: the drafter memorised its data, held-out acceptance
 # 1.5): every training prompt (~16k) answered twice by vLLM (once greedy, once at T 0.7), 4 passes over them.
-# Needs the bundle staged and scripts/gpu_stage_data.sh run with .gpu/data, .gpu/g1 and .gpu/g2 carried.
+# Needs the bundle staged and scripts/gpu_stage_data.sh run with .gpu/data and .gpu/g1-g3 carried.
 # A rerun (same warm machine) resumes from the newest checkpoint.
 set -uo pipefail
 cd "$(dirname "$0")/.."
