@@ -14,7 +14,8 @@ Differences between the two that the plugin meets (0.26 -> 0.32):
   set by the NHD/HND layout, and write it before `impl.forward` (`forward_includes_kv_cache_update = False`);
   see `kv/paged.py`. FLASH_ATTN and FLASHINFER take only float16/bfloat16; float32 runs on TRITON_ATTN.
 - Both default to cudagraph_mode FULL_AND_PIECEWISE on GPU. DDTree keeps it (tree inputs at fixed addresses, see
-  attention/metadata.py); VLLM_DDTREE_FULL_CUDA_GRAPHS=0 turns it into PIECEWISE (`disable_full_cuda_graphs`).
+  attention/metadata.py) and turns a user's FULL into it (`full_cuda_graphs_for_uniform_batches_only`);
+  VLLM_DDTREE_FULL_CUDA_GRAPHS=0 turns it into PIECEWISE (`disable_full_cuda_graphs`).
   With FULL decode graphs the V1 runner rounds every capture size up to a multiple of B + 1.
 - 0.26's `DFlashProposer` sizes its query buffers (`positions`, `_slot_mapping_buffer`) for max_num_seqs * (1 +
   its speculative tokens) only, while its CUDA-graph dispatcher may pad a query batch up to the largest capture
@@ -94,6 +95,27 @@ def pad_dflash_query_buffers(proposer, vllm_config) -> None:
     proposer.arange = torch.arange(proposer.max_positions + 1, dtype=proposer.arange.dtype, device=device)
 
 
+def full_cuda_graphs_for_uniform_batches_only(compilation_config, logger) -> None:
+    """FULL (full graphs for mixed batches too) -> FULL_AND_PIECEWISE (FULL_DECODE_ONLY without vLLM's compiler).
+
+    DDTree captures its tree attention in full graphs of uniform verification batches only (every request B + 1
+    nodes); a full graph of a mixed batch would replay causal attention for its tree requests: wrong tokens.
+    """
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    mode = compilation_config.cudagraph_mode
+    if mode is None or mode.mixed_mode() != CUDAGraphMode.FULL:
+        return
+    piecewise = compilation_config.mode == CompilationMode.VLLM_COMPILE
+    new_mode = CUDAGraphMode.FULL_AND_PIECEWISE if piecewise else CUDAGraphMode.FULL_DECODE_ONLY
+    compilation_config.cudagraph_mode = new_mode
+    logger.info(
+        "DDTree: cudagraph_mode %s -> %s (full graphs hold tree attention only for uniform verification batches).",
+        mode.name,
+        new_mode.name,
+    )
+
+
 def disable_full_cuda_graphs(compilation_config, logger) -> None:
     """FULL / FULL_AND_PIECEWISE cudagraph modes -> PIECEWISE (NONE without vLLM's compiler), logged.
 
@@ -164,6 +186,7 @@ __all__ = [
     "apply_top_k_top_p",
     "choose_v1_model_runner",
     "disable_full_cuda_graphs",
+    "full_cuda_graphs_for_uniform_batches_only",
     "flash_attn_varlen",
     "init_logger",
     "metrics_loggers",

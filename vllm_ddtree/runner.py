@@ -101,6 +101,7 @@ def install_runner_hooks() -> None:
         GPUModelRunner,
         SamplerOutput,
         disable_full_cuda_graphs,
+        full_cuda_graphs_for_uniform_batches_only,
         init_logger,
         prepare_inputs_outputs,
     )
@@ -114,7 +115,9 @@ def install_runner_hooks() -> None:
     def __init__(original, self, vllm_config, device, *args, **kwargs):
         spec = vllm_config.speculative_config
         settings = getattr(spec, ddtree_config.ATTRIBUTE, None) if spec is not None else None
-        if settings is not None and not full_cuda_graphs_requested():
+        if settings is not None and full_cuda_graphs_requested():
+            full_cuda_graphs_for_uniform_batches_only(vllm_config.compilation_config, logger)
+        elif settings is not None:
             disable_full_cuda_graphs(vllm_config.compilation_config, logger)
         original(self, vllm_config, device, *args, **kwargs)
         self._ddtree = None
