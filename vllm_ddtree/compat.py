@@ -101,19 +101,15 @@ def full_cuda_graphs_for_uniform_batches_only(compilation_config, logger) -> Non
     DDTree captures its tree attention in full graphs of uniform verification batches only (every request B + 1
     nodes); a full graph of a mixed batch would replay causal attention for its tree requests: wrong tokens.
     """
-    from vllm.config import CompilationMode, CUDAGraphMode
+    from vllm.config import CUDAGraphMode
 
     mode = compilation_config.cudagraph_mode
     if mode is None or mode.mixed_mode() != CUDAGraphMode.FULL:
         return
-    piecewise = compilation_config.mode == CompilationMode.VLLM_COMPILE
-    new_mode = CUDAGraphMode.FULL_AND_PIECEWISE if piecewise else CUDAGraphMode.FULL_DECODE_ONLY
-    compilation_config.cudagraph_mode = new_mode
-    logger.info(
-        "DDTree: cudagraph_mode %s -> %s (full graphs hold tree attention only for uniform verification batches).",
-        mode.name,
-        new_mode.name,
-    )
+    _switch_cudagraph_mode(
+        compilation_config, logger, CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY,
+        "full graphs hold tree attention only for uniform verification batches",
+    )  # fmt: skip
 
 
 def disable_full_cuda_graphs(compilation_config, logger) -> None:
@@ -122,19 +118,25 @@ def disable_full_cuda_graphs(compilation_config, logger) -> None:
     Tree attention reads per-step metadata in Python between the graph pieces; a full graph would replay the
     captured step's attention instead.
     """
-    from vllm.config import CompilationMode, CUDAGraphMode
+    from vllm.config import CUDAGraphMode
 
     mode = compilation_config.cudagraph_mode
     if mode is None or not mode.has_full_cudagraphs():
         return
-    piecewise = compilation_config.mode == CompilationMode.VLLM_COMPILE
-    new_mode = CUDAGraphMode.PIECEWISE if piecewise else CUDAGraphMode.NONE
-    compilation_config.cudagraph_mode = new_mode
-    logger.info(
-        "DDTree: cudagraph_mode %s -> %s (tree attention runs eagerly between piecewise CUDA graphs).",
-        mode.name,
-        new_mode.name,
-    )
+    _switch_cudagraph_mode(
+        compilation_config, logger, CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE,
+        "tree attention runs eagerly between piecewise CUDA graphs",
+    )  # fmt: skip
+
+
+def _switch_cudagraph_mode(compilation_config, logger, compiled_mode, uncompiled_mode, why: str) -> None:
+    """Set `compiled_mode` (with vLLM's compiler; `uncompiled_mode` without it), logged with the reason."""
+    from vllm.config import CompilationMode
+
+    mode = compilation_config.cudagraph_mode
+    compiled = compilation_config.mode == CompilationMode.VLLM_COMPILE
+    compilation_config.cudagraph_mode = compiled_mode if compiled else uncompiled_mode
+    logger.info("DDTree: cudagraph_mode %s -> %s (%s).", mode.name, compilation_config.cudagraph_mode.name, why)
 
 
 def flash_attn_varlen():
