@@ -115,10 +115,10 @@ def install_runner_hooks() -> None:
     def __init__(original, self, vllm_config, device, *args, **kwargs):
         spec = vllm_config.speculative_config
         settings = getattr(spec, ddtree_config.ATTRIBUTE, None) if spec is not None else None
-        if settings is not None and full_cuda_graphs_requested():
-            full_cuda_graphs_for_uniform_batches_only(vllm_config.compilation_config, logger)
-        elif settings is not None:
-            disable_full_cuda_graphs(vllm_config.compilation_config, logger)
+        if settings is not None:
+            keep_full_graphs = full_cuda_graphs_requested()
+            switch = full_cuda_graphs_for_uniform_batches_only if keep_full_graphs else disable_full_cuda_graphs
+            switch(vllm_config.compilation_config, logger)
         original(self, vllm_config, device, *args, **kwargs)
         self._ddtree = None
         if settings is None:
@@ -161,7 +161,7 @@ def install_runner_hooks() -> None:
             }
             mode = self.compilation_config.cudagraph_mode
             persistent = None
-            if full_cuda_graphs_requested() and mode is not None and mode.has_full_cudagraphs():
+            if mode is not None and mode.has_full_cudagraphs():  # left so by __init__ unless opted out
                 persistent = PersistentTreeBuffers.allocate(self.max_num_reqs, state.width, self.device)
                 logger.info("DDTree: FULL CUDA graphs for uniform tree-verification batches (%s)", mode.name)
             state.attention = TreeAttentionMetadataBuilder(set(state.layers), persistent)

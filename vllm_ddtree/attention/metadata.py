@@ -5,8 +5,8 @@ the tree requests, with causal masks). `TreeAttentionMetadataBuilder` adds what 
 which requests are trees, where their nodes are, and each node's ancestor mask. It is attached to the backend's
 metadata as the attribute `ddtree`, so it reaches the attention layers through vLLM's forward context.
 
-FULL CUDA graphs (the default; `VLLM_DDTREE_FULL_CUDA_GRAPHS=0` turns them off): a graph replays the kernel launches of its capture,
-so the tree inputs must live at fixed addresses. With `PersistentTreeBuffers`, a step whose requests are all trees
+FULL CUDA graphs (the default; `VLLM_DDTREE_FULL_CUDA_GRAPHS=0` turns them off): a graph replays the kernel launches
+of its capture, so the tree inputs must live at fixed addresses. With `PersistentTreeBuffers`, a step whose requests are all trees
 writes its masks, node counts and context lengths into preallocated buffers and points everything else at vLLM's
 own persistent tensors (query_start_loc, seq_lens, block table), padded to the backend's (padded) request count with
 0-node requests; the capture's dummy batch is laid out the same way (`dummy_tree_step`).
@@ -14,9 +14,8 @@ own persistent tensors (query_start_loc, seq_lens, block table), padded to the b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import os
+from dataclasses import dataclass
 
 import torch
 
