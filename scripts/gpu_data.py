@@ -57,6 +57,7 @@ def main() -> None:
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         (folder / f"{GGUF_FILE}.part{i}").write_bytes(blob[i * third : (i + 1) * third])
+        (folder / "COUNT").write_text(f"{GGUF_PARTS}\n")  # scripts/gpu_stage_data.sh joins once it has them all
     for folder in ("data", *(f"g{i + 1}" for i in range(GGUF_PARTS))):
         size = sum(f.stat().st_size for f in (gpu / folder).rglob("*") if f.is_file())
         print(f".gpu/{folder}: {size / 2**20:.1f} MiB")

