@@ -66,14 +66,15 @@ def check_walk(tree, depth: int, gen, walk_tree, walk_tree_triton, case) -> None
     import torch
 
     num_req, n = tree.token_ids.shape
+    device = tree.token_ids.device  # random draws on the CPU generator `gen`, then moved
     # The target's choice at node u: the token of a random node whose parent is u (when one exists), or noise.
-    follow = torch.full((num_req, n), -7, dtype=torch.int64)
+    follow = torch.full((num_req, n), -7, dtype=torch.int64, device=device)
     for j in torch.randperm(n, generator=gen).tolist():
         if j:
             follow.scatter_(1, tree.parents[:, j : j + 1], tree.token_ids[:, j : j + 1])
-    noise = torch.randint(0, 50, (num_req, n), generator=gen)
-    target = torch.where((follow >= 0) & (torch.rand(num_req, n, generator=gen) < 0.85), follow, noise)
-    num_nodes = torch.randint(1, n + 1, (num_req,), generator=gen)
+    noise = torch.randint(0, 50, (num_req, n), generator=gen).to(device)
+    target = torch.where((follow >= 0) & (torch.rand(num_req, n, generator=gen).to(device) < 0.85), follow, noise)
+    num_nodes = torch.randint(1, n + 1, (num_req,), generator=gen).to(device)
     expected = walk_tree(tree.token_ids, tree.parents, tree.depths, target, num_nodes, depth)
     got = walk_tree_triton(tree.token_ids, tree.parents, target, num_nodes, depth)
     for name, value in zip(("path_nodes", "num_accepted", "output_token_ids"), got):
@@ -94,14 +95,17 @@ def check_walk_and_moves(tree, depth: int, gen, target, num_nodes, expected_walk
     from vllm_ddtree.verify.step import TreeStep, chain_positions_
 
     num_req, n = tree.token_ids.shape
-    laid_out = torch.maximum(num_nodes, torch.randint(1, n + 1, (num_req,), generator=gen))  # [R]
+    device = tree.token_ids.device
+    laid_out = torch.maximum(num_nodes, torch.randint(1, n + 1, (num_req,), generator=gen).to(device))  # [R]
     start = torch.cumsum(laid_out, 0) - laid_out
-    node_index = start[:, None] + torch.minimum(torch.arange(n)[None, :], laid_out[:, None] - 1)  # [R, N]
+    node = torch.arange(n, device=device)[None, :]
+    node_index = start[:, None] + torch.minimum(node, laid_out[:, None] - 1)  # [R, N]
     step = TreeStep(num_nodes=laid_out, parents=tree.parents, depths=tree.depths, node_rows=node_index,
-                    node_token_index=node_index, num_nodes_cpu=laid_out.numpy(), tree_reqs_cpu=np.arange(num_req))
+                    node_token_index=node_index, num_nodes_cpu=laid_out.cpu().numpy(),
+                    tree_reqs_cpu=np.arange(num_req))
     # Tree positions as the step laid them out: root position + depth (a padded entry repeats its alias).
-    root_positions = torch.randint(0, 1000, (num_req,), generator=gen)
-    positions = torch.full((int(laid_out.sum()) + 3,), -5, dtype=torch.int64)  # 3 tokens of no request
+    root_positions = torch.randint(0, 1000, (num_req,), generator=gen).to(device)
+    positions = torch.full((int(laid_out.sum()) + 3,), -5, dtype=torch.int64, device=device)  # 3 tokens of no request
     local_node = node_index - start[:, None]  # [R, N]
     positions[node_index.flatten()] = (root_positions[:, None] + tree.depths.gather(1, local_node)).flatten()
     expected_positions = positions.clone()
