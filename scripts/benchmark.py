@@ -207,7 +207,9 @@ def main() -> None:
     progress = tqdm(total=len(plan) * len(args.temperatures) * len(args.batch_sizes), desc="benchmark")
     for name, spec in plan:
         start = time.perf_counter()
-        max_num_seqs = max(args.batch_sizes)
+        # At least 16: vLLM 0.26's Model Runner V2 (no speculation, the chain) hit an illegal memory access in
+        # CUDA-graph capture with max_num_seqs = 1 (H200, 2026-11-30); 16 ran in session 12.
+        max_num_seqs = max(*args.batch_sizes, 16)
         draft_slots = (spec["num_speculative_tokens"] + 2) if spec else 0
         step_tokens = max_num_seqs * (1 + (spec["num_speculative_tokens"] if spec else 0))
         graph_sizes = args.cudagraph_capture_sizes or capture_sizes(step_tokens)

@@ -7,3 +7,5 @@ mkdir -p "$d"
 printf "Metadata-Version: 2.1\nName: vllm-ddtree\nVersion: 0.1.0\n" > "$d/METADATA"
 printf "[vllm.general_plugins]\nddtree = vllm_ddtree:register\n" > "$d/entry_points.txt"
 export PYTHONPATH="$PWD:$PYTHONPATH"
+# TP runs: plain NCCL all-reduce, no NVLink multicast (the device machines ask for that; see tests/e2e/test_tensor_parallel.py).
+export VLLM_ALLREDUCE_USE_SYMM_MEM=0 VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm

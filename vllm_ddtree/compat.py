@@ -20,6 +20,10 @@ Differences between the two that the plugin meets (0.26 -> 0.32):
 - 0.26's `DFlashProposer` sizes its query buffers (`positions`, `_slot_mapping_buffer`) for max_num_seqs * (1 +
   its speculative tokens) only, while its CUDA-graph dispatcher may pad a query batch up to the largest capture
   size; 0.32 sizes them for that padding (`max_padded_query_tokens`). `pad_dflash_query_buffers` does it on 0.26.
+- `SpeculativeConfig.max_num_new_slots_for_drafting` (query slots the drafter adds per request) counts
+  num_speculative_tokens = B; DDTree's drafter queries D = depth slots (`reserve_drafter_slots_for_tree_depth`).
+  0.26 subtracts them from max_num_scheduled_tokens and checks the drafter's own config against that; 0.32 uses
+  them in the scheduler's input budget.
 - `DFlashProposer`, `propose_draft_token_ids`, `_sample`, `initialize_kv_cache`, `input_batch.block_table[g]
   .slot_mapping`, `self.positions` (a plain tensor) and `self.input_ids` (a CPU/GPU buffer) match.
 """
@@ -71,6 +75,35 @@ def choose_v1_model_runner(is_ddtree, logger) -> None:
 
     use_v2_model_runner._ddtree_hook = True
     VllmConfig.use_v2_model_runner = property(use_v2_model_runner)
+
+
+def reserve_drafter_slots_for_tree_depth(tree_depth) -> None:
+    """Make `SpeculativeConfig.max_num_new_slots_for_drafting` count the drafter's D = depth query slots per request
+    when D > B; `tree_depth(speculative_config)` gives D for DDTree configs, else None.
+
+    vLLM sizes the query slots DFlash adds per request from num_speculative_tokens, which DDTree sets to the node
+    budget B, but the drafter pass always queries the whole block (D = block size - 1 masks). With B < D, 0.26
+    reserved too few slots (max_num_scheduled_tokens), and its own check then refused the drafter's config (seen
+    on the H200: B = 1, block 4); 0.32's scheduler budgets its inputs with the same count. Idempotent.
+    """
+    import copy
+
+    from vllm.config import SpeculativeConfig
+
+    original = SpeculativeConfig.__dict__.get("max_num_new_slots_for_drafting")
+    if not isinstance(original, property) or getattr(original.fget, "_ddtree_hook", False):
+        return
+
+    def max_num_new_slots_for_drafting(self) -> int:
+        depth = tree_depth(self)
+        if depth is None or depth <= self.num_speculative_tokens:
+            return original.fget(self)
+        drafter_view = copy.copy(self)
+        drafter_view.num_speculative_tokens = depth
+        return original.fget(drafter_view)
+
+    max_num_new_slots_for_drafting._ddtree_hook = True
+    SpeculativeConfig.max_num_new_slots_for_drafting = property(max_num_new_slots_for_drafting)
 
 
 def pad_dflash_query_buffers(proposer, vllm_config) -> None:

@@ -8,13 +8,25 @@ from vllm_ddtree import config as ddtree_config
 
 
 def is_ddtree(speculative_config) -> bool:
-    return speculative_config is not None and getattr(speculative_config, ddtree_config.ATTRIBUTE, None) is not None
+    return tree_depth(speculative_config) is not None
+
+
+def tree_depth(speculative_config) -> int | None:
+    """The drafter's query depth D of a DDTree config (None for other configs)."""
+    settings = getattr(speculative_config, ddtree_config.ATTRIBUTE, None) if speculative_config is not None else None
+    return None if settings is None else settings["depth"]
 
 
 def install_config_hook() -> None:
-    from vllm_ddtree.compat import EngineArgs, choose_v1_model_runner, init_logger
+    from vllm_ddtree.compat import (
+        EngineArgs,
+        choose_v1_model_runner,
+        init_logger,
+        reserve_drafter_slots_for_tree_depth,
+    )
 
     choose_v1_model_runner(is_ddtree, init_logger("vllm_ddtree"))
+    reserve_drafter_slots_for_tree_depth(tree_depth)
     original = EngineArgs.create_speculative_config
     if getattr(original, "_ddtree_hook", False):
         return

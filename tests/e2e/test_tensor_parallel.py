@@ -27,11 +27,21 @@ TP = dict(ENGINE, tensor_parallel_size=2, distributed_executor_backend="mp")
 
 
 @pytest.fixture(autouse=True)
-def bind_one_core_per_rank(monkeypatch):
+def ranks_without_multicast(monkeypatch):
+    """CPU: one core per rank. CUDA: plain NCCL all-reduce. vLLM 0.26's all-reduce + RMSNorm fusion set up a
+    FlashInfer workspace of its 'mnnvl' backend (NVLink multicast), and both ranks then failed with an illegal
+    memory access / CUBLAS_STATUS_INTERNAL_ERROR in plain vLLM's own start (H200 x2, 2026-11-30); the device
+    machines keep NVLink multicast off and ask programs not to use it."""
     import torch
 
     if not torch.cuda.is_available():
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+        return
+    monkeypatch.setenv("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
+    monkeypatch.setenv("VLLM_FLASHINFER_ALLREDUCE_BACKEND", "trtllm")
+    monkeypatch.setitem(TP, "disable_custom_all_reduce", True)
+    monkeypatch.setitem(TP, "compilation_config", {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128],
+                                                   "pass_config": {"fuse_allreduce_rms": False}})
 
 
 def test_tp2_greedy_identical_to_no_speculation(prompts):  # noqa: F811

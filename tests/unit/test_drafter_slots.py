@@ -1,0 +1,47 @@
+"""vLLM reserves the query slots DDTree's drafter adds per request: D = the tree depth (block size - 1), not the
+node budget B, whenever B < D. Built through vLLM's own `EngineArgs.create_engine_config` (the CPU build) on the
+tiny pair, for budgets below, at and above the depth."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.test_tiny_pair_ddtree import BLOCK_SIZE, DRAFTER, TARGET
+
+DEPTH = BLOCK_SIZE - 1
+
+
+def engine_config(budget: int):
+    import vllm_ddtree
+    from vllm_ddtree.compat import EngineArgs
+
+    vllm_ddtree.register()
+    args = EngineArgs(
+        model=TARGET,
+        speculative_config={"method": "ddtree", "model": DRAFTER, "num_speculative_tokens": budget},
+        max_model_len=256,
+        max_num_seqs=4,
+        skip_tokenizer_init=True,
+    )
+    return args.create_engine_config()
+
+
+def dflash_slots(num_tokens: int, spec) -> int:
+    """vLLM's own count for a DFlash config drafting `num_tokens` per pass (the hook bypassed)."""
+    import copy
+
+    from vllm.config import SpeculativeConfig
+
+    view = copy.copy(spec)
+    view.num_speculative_tokens = num_tokens
+    view.ddtree_config = None
+    return SpeculativeConfig.max_num_new_slots_for_drafting.fget(view)
+
+
+@pytest.mark.parametrize("budget", [1, DEPTH - 1, DEPTH, DEPTH + 1, 2 * DEPTH + 3])
+def test_drafter_slots_cover_the_tree_depth(budget):
+    spec = engine_config(budget).speculative_config
+    assert spec.num_speculative_tokens == budget  # vLLM still schedules B draft tokens per request
+    assert spec.ddtree_config["depth"] == DEPTH
+    assert spec.max_num_new_slots_for_drafting == dflash_slots(max(budget, DEPTH), spec)
+    assert spec.max_num_new_slots_for_drafting >= dflash_slots(DEPTH, spec) > 0
