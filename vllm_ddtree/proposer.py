@@ -38,6 +38,23 @@ class DDTreeProposer(DFlashProposer):
         self._draft_logits: torch.Tensor | None = None
         self.last_tree: DraftTree | None = None
         self.timer = None  # set by the runner (profiling.StepTimer or a no-op)
+        # (src, dst) scheduled-token indices of the accepted paths, set by the runner after a verification step.
+        self.accepted_path_moves: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def set_inputs_first_pass(self, **kwargs):
+        """Move each accepted path's context rows to the front of its request before DFlash reads them.
+
+        The drafter's context is the target's hidden states at the scheduled tokens (after DFlash's `fc` combined
+        the target layers), in tree node order; vLLM takes a request's first 1 + accepted tokens as its new
+        context, so the path's rows go there. One gather and one scatter on [num_tokens, hidden]; positions were
+        put back in chain order by the walk (verify.scorer.walk_and_moves_). vLLM passes keywords (0.26, 0.32).
+        """
+        moves, self.accepted_path_moves = self.accepted_path_moves, None
+        if moves is not None:
+            src, dst = moves
+            context = kwargs["target_hidden_states"]  # [num_tokens, hidden]
+            context[dst] = context[src]
+        return super().set_inputs_first_pass(**kwargs)
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         # Keep the full per-position logits; the argmax chain returned here is not used.
@@ -53,7 +70,7 @@ class DDTreeProposer(DFlashProposer):
             self.last_tree = None
             return next_token_ids.new_empty((num_reqs, 0), dtype=torch.int64)
         if self.timer is not None:
-            self.timer.mark("move_accepted_path")
+            self.timer.mark("draft_inputs")
         super().propose(self.depth, **kwargs)
         if self.timer is not None:
             self.timer.mark("draft")

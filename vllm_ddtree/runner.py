@@ -8,7 +8,7 @@ One decode step, in the order vLLM calls the hooks:
   (target forward)             tree requests attend along their root paths (`TreeAttentionMetadata`)
   `_sample`                    target choice per node, walk, accepted path + bonus; move the path's KV in place;
                                positions back in chain order
-  `propose_draft_token_ids`    move the path's hidden states to the front, run the drafter, build the next tree
+  `propose_draft_token_ids`    run the drafter (the path's context rows moved to the front), build the next tree
 """
 
 from __future__ import annotations
@@ -265,11 +265,8 @@ def install_runner_hooks() -> None:
         state = self._ddtree
         if state is not None:
             state.timer.mark("vllm_sampler_output")
-        if state is not None and state.moves is not None:
-            src, dst = state.moves
-            # The drafter reads the target layers' hidden states (aux) when vLLM collects them, else the last one.
-            for tensor in [self.input_ids.gpu, *(aux_hidden_states or [hidden_states])]:
-                tensor[dst] = tensor[src]
+        if state is not None:
+            self.drafter.accepted_path_moves = state.moves  # applied to the drafter's context (proposer.py)
         draft_token_ids = original(
             self,
             scheduler_output,
