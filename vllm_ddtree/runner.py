@@ -75,9 +75,16 @@ def remember_trees_(state: DDTreeRunnerState, tree, req_ids: list[str], live_req
         parents.append(state.prev_parents[old_rows])
         depths.append(state.prev_depths[old_rows])
         rows.update({req_id: offset + i for i, req_id in enumerate(carried)})
-    state.prev_parents = torch.cat(parents) if parents else None
-    state.prev_depths = torch.cat(depths) if depths else None
+    state.prev_parents = _concat(parents)
+    state.prev_depths = _concat(depths)
     state.prev_rows = rows
+
+
+def _concat(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """Rows of `parts` in order; a single part is kept as is (no copy launched)."""
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _hook(cls, name: str):
