@@ -24,7 +24,8 @@ Differences between the two that the plugin meets (0.26 -> 0.32):
   num_speculative_tokens = B; DDTree's drafter queries D = depth slots (`reserve_drafter_slots_for_tree_depth`).
   0.26 subtracts them from max_num_scheduled_tokens and checks the drafter's own config against that; 0.32 uses
   them in the scheduler's input budget.
-- `DFlashProposer`, `propose_draft_token_ids`, `_sample`, `initialize_kv_cache`, `input_batch.block_table[g]
+- `DFlashProposer.set_inputs_first_pass` (called with keywords; DDTree moves the accepted paths' context rows
+  there), `propose_draft_token_ids`, `_sample`, `initialize_kv_cache`, `input_batch.block_table[g]
   .slot_mapping`, `self.positions` (a plain tensor) and `self.input_ids` (a CPU/GPU buffer) match.
 """
 
