@@ -4,7 +4,8 @@
 # Defaults after the first run (3,000 prompts, HF generation: the drafter memorised its data, held-out acceptance
 # 1.5): every training prompt (~16k) answered twice by vLLM (once greedy, once at T 0.7), 4 passes over them.
 # Needs the bundle staged and scripts/gpu_stage_data.sh run with .gpu/data and .gpu/g1-g3 carried.
-# A rerun (same warm machine) resumes from the newest checkpoint.
+# A rerun (same warm machine) resumes from the newest checkpoint. INIT_FROM=vllm_ddtree/drafters/smollm2-135m-instruct-dflash
+# starts from the shipped drafter's weights (more steps for the same device time; a new lr schedule).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -15,7 +16,7 @@ timeout "${TRAIN_S:-540}" python scripts/train_drafter.py --target /tmp/smollm2 
   --block-size 16 --num-layers 2 --num-prompts "${PROMPTS:-16000}" --generator "${GENERATOR:-vllm}" \
   --responses-per-prompt 2 --greedy-first --temperature 0.7 \
   --gen-batch-size 256 --steps "${STEPS:-4000}" --weight-decay 0.01 --eval-every 250 \
-  --batch-size 32 --loss-decay 7 --save-every 250 $resume 2>&1 | tr '\r' '\n' | grep -v "^\s*$" | awk 'NR % 20 == 1 || /Error|error|warning|report|acceptance|heldout|generated|{/' \
+  --batch-size 32 --loss-decay 7 --save-every 250 $resume ${INIT_FROM:+--init-from "$INIT_FROM"} 2>&1 | tr '\r' '\n' | grep -v "^\s*$" | awk 'NR % 20 == 1 || /Error|error|warning|report|acceptance|heldout|generated|{/' \
   > "$OUT/train.log"
 echo "train rc=${PIPESTATUS[0]}"; tail -5 "$OUT/train.log"
 if [ -f /tmp/smollm2-dflash/report.json ]; then

@@ -233,3 +233,35 @@ def test_resumed_training_keeps_the_heldout_curve(tmp_path, one_cpu_thread):
     resumed = json.loads((tmp_path / "run" / "report.json").read_text())["heldout_curve"]
     assert [p["step"] for p in first] == [p["step"] for p in resumed] == [1, 2, 3, 4]
     assert resumed[:2] == first[:2]
+
+
+def test_training_starts_from_a_saved_drafter(tmp_path, one_cpu_thread):
+    """`init_from`: a run starts from a saved drafter's weights and architecture (0 steps give the same weights
+    back, 2 steps change them), and a drafter for another target is refused with the fix named."""
+    from safetensors.torch import load_file
+
+    from tests.tiny_models import make_tiny_target
+    from vllm_ddtree.drafter.train import TrainConfig, train
+
+    target = make_tiny_target(tmp_path / "target")
+    cfg = dict(target=str(target), block_size=4, num_layers=1, max_new_tokens=8, batch_size=2, anchors_per_seq=2,
+               warmup_steps=1, eval_every=0, device="cpu")
+    prompts = [[5, 40, 90], [6, 41, 91]]
+    first = train(TrainConfig(**cfg, out=str(tmp_path / "first"), steps=2), prompt_ids=prompts)
+    weights = load_file(str(first / "model.safetensors"))
+
+    kept = train(TrainConfig(**dict(cfg, block_size=8), out=str(tmp_path / "kept"), steps=0, init_from=str(first)),
+                 prompt_ids=prompts)
+    assert json.loads((kept / "config.json").read_text())["block_size"] == 4  # the saved drafter's, not cfg's
+    kept_weights = load_file(str(kept / "model.safetensors"))
+    assert all(torch.equal(kept_weights[name], weights[name]) for name in weights)
+
+    trained = train(TrainConfig(**cfg, out=str(tmp_path / "trained"), steps=2, init_from=str(first)),
+                    prompt_ids=prompts)
+    trained_weights = load_file(str(trained / "model.safetensors"))
+    assert any(not torch.equal(trained_weights[name], weights[name]) for name in weights)
+
+    other = make_tiny_target(tmp_path / "other", num_layers=1)
+    with pytest.raises(ValueError, match="does not fit this target"):
+        train(TrainConfig(**dict(cfg, target=str(other)), out=str(tmp_path / "other-run"), steps=0,
+                          init_from=str(first)), prompt_ids=prompts)

@@ -62,6 +62,9 @@ class TrainConfig:
     dtype: str = "auto"  # of the target: "auto" = bfloat16 on GPU, float32 on CPU
     save_dtype: str = "bfloat16"  # of the final drafter's weights (checkpoints keep float32)
     resume: bool = False
+    # A saved drafter folder (e.g. the shipped one) to start from instead of random weights: its architecture
+    # (block size, layers, target layers, mask token) is kept and must fit the target; `resume` wins over it.
+    init_from: str | None = None
 
 
 @dataclass
@@ -441,6 +444,9 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
     ckpt = _latest_checkpoint(out) if cfg.resume else None
     if ckpt is not None:
         drafter = DFlashDrafter.load(ckpt / "drafter", device)
+    elif cfg.init_from:
+        drafter = DFlashDrafter.load(cfg.init_from, device)
+        _check_fits_target(drafter, text_config, cfg.init_from)
     else:
         drafter = DFlashDrafter(make_drafter_config(text_config, cfg, tokenizer)).to(device)
         _init_from_target(drafter, target)
@@ -509,6 +515,18 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report))
     return final
+
+
+def _check_fits_target(drafter: DFlashDrafter, text_config, path: str) -> None:
+    config = drafter.config
+    fits = (config.hidden_size, config.vocab_size) == (text_config.hidden_size, text_config.vocab_size)
+    if not fits or max(config.target_layer_ids) >= text_config.num_hidden_layers:
+        raise ValueError(
+            f"init_from={path!r}: a drafter for hidden size {config.hidden_size}, vocabulary {config.vocab_size} and "
+            f"target layers {config.target_layer_ids} does not fit this target (hidden size {text_config.hidden_size},"
+            f" vocabulary {text_config.vocab_size}, {text_config.num_hidden_layers} layers); start from a drafter "
+            "trained for this target, or drop init_from"
+        )
 
 
 def _init_from_target(drafter: DFlashDrafter, target) -> None:
