@@ -16,6 +16,11 @@ MAX_BUDGET = 256
 # Where the DDTree settings travel with vLLM's config (pickled to the engine core and the workers).
 ATTRIBUTE = "ddtree_config"
 
+
+def settings_of(speculative_config) -> dict[str, Any] | None:
+    """The DDTree settings a vLLM speculative config carries (None for other methods and for no config)."""
+    return getattr(speculative_config, ATTRIBUTE, None)
+
 # Keys of vLLM's SpeculativeConfig that DDTree passes through unchanged.
 _PASSTHROUGH_KEYS = frozenset(
     {

@@ -13,7 +13,7 @@ def is_ddtree(speculative_config) -> bool:
 
 def tree_depth(speculative_config) -> int | None:
     """The drafter's query depth D of a DDTree config (None for other configs)."""
-    settings = getattr(speculative_config, ddtree_config.ATTRIBUTE, None) if speculative_config is not None else None
+    settings = ddtree_config.settings_of(speculative_config)
     return None if settings is None else settings["depth"]
 
 

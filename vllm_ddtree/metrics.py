@@ -88,7 +88,7 @@ def install_metrics() -> None:
 
         def __init__(self, speculative_config, labelnames, per_engine_labelvalues, *args, **kwargs):
             super().__init__(speculative_config, labelnames, per_engine_labelvalues, *args, **kwargs)
-            settings = getattr(speculative_config, ddtree_config.ATTRIBUTE, None)
+            settings = ddtree_config.settings_of(speculative_config)
             self.ddtree_metrics = None
             if settings is not None:
                 self.ddtree_metrics = TreeMetrics(

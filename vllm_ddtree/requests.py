@@ -32,7 +32,7 @@ def install_request_hook() -> None:
 
     def verify(self, model_config, speculative_config, *args, **kwargs):
         original(self, model_config, speculative_config, *args, **kwargs)
-        if getattr(speculative_config, ddtree_config.ATTRIBUTE, None) is None:
+        if ddtree_config.settings_of(speculative_config) is None:
             return
         problem = unsupported_reason(self)
         if problem is not None:

@@ -121,7 +121,7 @@ def install_runner_hooks() -> None:
     @_hook(GPUModelRunner, "__init__")
     def __init__(original, self, vllm_config, device, *args, **kwargs):
         spec = vllm_config.speculative_config
-        settings = getattr(spec, ddtree_config.ATTRIBUTE, None) if spec is not None else None
+        settings = ddtree_config.settings_of(spec)
         if settings is not None:
             keep_full_graphs = full_cuda_graphs_requested()
             switch = full_cuda_graphs_for_uniform_batches_only if keep_full_graphs else disable_full_cuda_graphs

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.test_tiny_pair_ddtree import BLOCK_SIZE, DRAFTER, TARGET
+from vllm_ddtree import config as ddtree_config
+from vllm_ddtree.engine_hooks import tree_depth
 
 DEPTH = BLOCK_SIZE - 1
 
@@ -34,7 +36,7 @@ def dflash_slots(num_tokens: int, spec) -> int:
 
     view = copy.copy(spec)
     view.num_speculative_tokens = num_tokens
-    view.ddtree_config = None
+    setattr(view, ddtree_config.ATTRIBUTE, None)
     return SpeculativeConfig.max_num_new_slots_for_drafting.fget(view)
 
 
@@ -42,6 +44,6 @@ def dflash_slots(num_tokens: int, spec) -> int:
 def test_drafter_slots_cover_the_tree_depth(budget):
     spec = engine_config(budget).speculative_config
     assert spec.num_speculative_tokens == budget  # vLLM still schedules B draft tokens per request
-    assert spec.ddtree_config["depth"] == DEPTH
+    assert tree_depth(spec) == DEPTH
     assert spec.max_num_new_slots_for_drafting == dflash_slots(max(budget, DEPTH), spec)
     assert spec.max_num_new_slots_for_drafting >= dflash_slots(DEPTH, spec) > 0
