@@ -181,17 +181,15 @@ def sync_report(llm, batch: int, prompt_len: int, steps: int, vocab: int, path: 
 def run_method(method: str, target: str, drafter: str, args) -> list[dict]:
     from vllm import LLM
 
+    from vllm_ddtree.compat import v1_model_runner_for
+
     start = time.perf_counter()
-    if method.endswith("-v1"):
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    try:
+    with v1_model_runner_for(method):
         llm = LLM(
             model=target, speculative_config=spec_for(method, drafter, args.budget), load_format=args.load_format,
             skip_tokenizer_init=True, max_model_len=args.prompt_len + 2 * args.steps + 64,
             max_num_seqs=max(args.batches), disable_log_stats=False, seed=0, **device_settings(),
         )  # fmt: skip
-    finally:
-        os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     init_s = time.perf_counter() - start
     vocab = llm.llm_engine.model_config.get_vocab_size()
     print(f"[{method}] engine init {init_s:.0f} s", flush=True)

@@ -28,7 +28,8 @@ PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 def methods(drafter: str | None, block_size: int, budgets: list[int]) -> list[tuple[str, dict | None]]:
     out: list[tuple[str, dict | None]] = [("none", None)]
     if drafter:
-        out.append(("dflash", {"method": "dflash", "model": drafter, "num_speculative_tokens": block_size - 1}))
+        chain = {"method": "dflash", "model": drafter, "num_speculative_tokens": block_size - 1}
+        out += [("dflash", chain), ("dflash-v1", chain)]  # -v1: on the V1 runner, DDTree's (see compat)
         for b in budgets:
             out.append((f"ddtree-B{b}", {"method": "ddtree", "model": drafter, "num_speculative_tokens": b}))
     return out
@@ -86,8 +87,9 @@ def measure(llm, prompts, batch: int, temperature: float, max_tokens: int, seed:
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| method | temperature | batch | tok/s | ms/token | acceptance length | speedup vs none | vs dflash |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| method | temperature | batch | tok/s | ms/token | acceptance length | speedup vs none | vs dflash "
+        "| vs dflash-v1 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     def ratio(r: dict, method: str) -> str:
         base = [b for b in rows if b["method"] == method and (b["temperature"], b["batch"]) == (r["temperature"], r["batch"])]
@@ -97,7 +99,8 @@ def markdown_table(rows: list[dict]) -> str:
         acc = "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
         lines.append(
             f"| {r['method']} | {r['temperature']} | {r['batch']} | {r['output_tokens_per_s']:.1f} | "
-            f"{r['ms_per_output_token']:.2f} | {acc} | {ratio(r, 'none')} | {ratio(r, 'dflash')} |"
+            f"{r['ms_per_output_token']:.2f} | {acc} | {ratio(r, 'none')} | {ratio(r, 'dflash')} | "
+            f"{ratio(r, 'dflash-v1')} |"
         )
     return "\n".join(lines)
 
@@ -158,7 +161,7 @@ def main() -> None:
     from tqdm import tqdm
     from vllm import LLM
 
-    from vllm_ddtree.compat import shutdown_llm
+    from vllm_ddtree.compat import shutdown_llm, v1_model_runner_for
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", help="Hugging Face folder of the target (required unless --plot-from)")
@@ -213,14 +216,15 @@ def main() -> None:
         draft_slots = (spec["num_speculative_tokens"] + 2) if spec else 0
         step_tokens = max_num_seqs * (1 + (spec["num_speculative_tokens"] if spec else 0))
         graph_sizes = args.cudagraph_capture_sizes or capture_sizes(step_tokens)
-        llm = LLM(
-            model=args.target, speculative_config=spec, dtype=args.dtype, max_model_len=args.max_model_len,
-            load_format=args.load_format, enforce_eager=args.eager, disable_log_stats=False,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=8192 + max_num_seqs * draft_slots,
-            gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
-            skip_tokenizer_init=args.load_format == "dummy",
-            compilation_config=None if args.eager else {"cudagraph_capture_sizes": graph_sizes},
-        )
+        with v1_model_runner_for(name):
+            llm = LLM(
+                model=args.target, speculative_config=spec, dtype=args.dtype, max_model_len=args.max_model_len,
+                load_format=args.load_format, enforce_eager=args.eager, disable_log_stats=False,
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=8192 + max_num_seqs * draft_slots,
+                gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
+                skip_tokenizer_init=args.load_format == "dummy",
+                compilation_config=None if args.eager else {"cudagraph_capture_sizes": graph_sizes},
+            )
         init_s = time.perf_counter() - start
         if prompts is None:
             prompts = load_prompts(args, llm.get_tokenizer() if args.load_format != "dummy" else None)
