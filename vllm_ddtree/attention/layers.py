@@ -57,22 +57,29 @@ def _split_attention_applies(impl, query: torch.Tensor, tree) -> bool:
     )
 
 
+def split_tree_attention_(query, keys, values, tree, scale: float, out: torch.Tensor) -> None:
+    """The split design on CUDA: FA3 over each request's context (non-causal, with LSE; every scheduled row is a
+    tree node, `tree.covers_all_tokens`), then the tree part merged into `out` by one Triton launch.
+    query/out [num_tokens, Hq, D]; keys/values [num_blocks, page, Hkv, D]."""
+    from vllm_ddtree.attention.triton_tree import tree_attention_split_
+    from vllm_ddtree.compat import flash_attn_varlen
+
+    context_out, context_lse = flash_attn_varlen()(
+        query, keys, values, max_seqlen_q=tree.node_mask.shape[1], cu_seqlens_q=tree.cu_seqlens_q,
+        max_seqlen_k=tree.max_seq_len, seqused_k=tree.context_lens, causal=False, block_table=tree.block_table,
+        softmax_scale=scale, return_softmax_lse=True, fa_version=3,
+    )  # fmt: skip
+    tree_attention_split_(
+        query, keys, values, tree.block_table, tree.query_start, tree.seq_lens, tree.num_nodes, tree.node_mask,
+        tree.max_seq_len, scale, context_out, context_lse, out,
+    )  # fmt: skip
+
+
 def tree_attention_(impl, query: torch.Tensor, kv_cache: torch.Tensor, tree, out: torch.Tensor) -> None:
     """Overwrite the tree rows of `out` [num_tokens, Hq, D]: the Triton kernel on CUDA, else the reference."""
     kv = paged_kv_for(impl, kv_cache)
     if query.is_cuda and _split_attention_applies(impl, query, tree):
-        from vllm_ddtree.attention.triton_tree import tree_attention_split_
-        from vllm_ddtree.compat import flash_attn_varlen
-
-        context_out, context_lse = flash_attn_varlen()(
-            query, kv.keys, kv.values, max_seqlen_q=tree.node_mask.shape[1], cu_seqlens_q=tree.cu_seqlens_q,
-            max_seqlen_k=tree.max_seq_len, seqused_k=tree.context_lens, causal=False, block_table=tree.block_table,
-            softmax_scale=impl.scale, return_softmax_lse=True, fa_version=3,
-        )  # fmt: skip
-        tree_attention_split_(
-            query, kv.keys, kv.values, tree.block_table, tree.query_start, tree.seq_lens, tree.num_nodes,
-            tree.node_mask, tree.max_seq_len, impl.scale, context_out, context_lse, out,
-        )  # fmt: skip
+        split_tree_attention_(query, kv.keys, kv.values, tree, impl.scale, out)
     elif query.is_cuda:
         from vllm_ddtree.attention.triton_tree import tree_attention_triton_
 
