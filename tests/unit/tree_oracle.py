@@ -25,8 +25,7 @@ class RankedVocab:
 
 def log_probs_f32(draft_logits: torch.Tensor) -> torch.Tensor:
     """[R, D, V] float32 log-probabilities (same formula as the builder)."""
-    x = draft_logits.float()
-    return x - torch.logsumexp(x, dim=-1, keepdim=True)
+    return torch.log_softmax(draft_logits, dim=-1, dtype=torch.float32)
 
 
 def rank_vocab(draft_logits: torch.Tensor) -> list[RankedVocab]:

@@ -40,8 +40,8 @@ Devices: on CUDA one torch.topk picks the K tokens of a depth and ranks them by 
 K-th place it keeps some, and it orders equal logits its own (deterministic) way, not by token id. The exact rule
 above costs a second top-k over the vocabulary and two sorts (~0.5 ms of host time per step, and several passes
 over [R, D, V] on the GPU), and a tree is lossless whichever tied token it holds, so it is kept for the CPU path
-(the reference the oracles check). The log-normaliser (logsumexp) may also differ by ~1 ulp between devices,
-which can shift `log_probs` by that much and reorder nodes whose scores are within that distance.
+(the reference the oracles check). The log-softmax may also differ by ~1 ulp between devices, which can shift
+`log_probs` by that much and reorder nodes whose scores are within that distance.
 """
 
 import functools
@@ -108,13 +108,16 @@ def _stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def _top_tokens(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-depth top-k tokens ranked by logit descending and their float32 log-probabilities, non-increasing
-    along the last dim. Equal logits: lower id first on the CPU, torch.topk's choice on CUDA (module docstring)."""
+    along the last dim. Equal logits: lower id first on the CPU, torch.topk's choice on CUDA (module docstring).
+
+    The log-probabilities come from one fused float32 log-softmax (one pass over [R, D, V], no float copy of the
+    logits and no separate logsumexp); it is monotone in the logit, so ranking either gives the same order."""
+    log_probs = torch.log_softmax(draft_logits, dim=-1, dtype=torch.float32)  # [R, D, V]
     if draft_logits.is_cuda:
-        logits, token_ids = torch.topk(draft_logits, k, dim=-1, sorted=True)  # [R, D, K]
+        token_ids = torch.topk(draft_logits, k, dim=-1, sorted=True).indices  # [R, D, K] (16-bit reads)
     else:
-        token_ids, logits = _top_tokens_lowest_ids_first(draft_logits, k)
-    log_z = torch.logsumexp(draft_logits.float(), dim=-1, keepdim=True)  # [R, D, 1]
-    return token_ids, logits.float() - log_z  # [R, D, K] int64, [R, D, K] float32
+        token_ids, _ = _top_tokens_lowest_ids_first(draft_logits, k)
+    return token_ids, log_probs.gather(-1, token_ids)  # [R, D, K] int64, [R, D, K] float32
 
 
 def _top_tokens_lowest_ids_first(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
