@@ -30,7 +30,7 @@ from vllm_ddtree.attention.metadata import (
 from vllm_ddtree.kv.compact import compact_accepted_kv_, slot_mapping_of
 from vllm_ddtree.tree import WalkResult
 from vllm_ddtree.verify.scorer import node_tokens, output_logprobs, walk_and_moves_
-from vllm_ddtree.verify.step import TreeStep, build_tree_step, tree_positions_
+from vllm_ddtree.verify.step import TreeStep, build_tree_step
 
 
 @dataclass
@@ -194,8 +194,8 @@ def install_runner_hooks() -> None:
                 state.prev_depths,
                 prev_rows,
                 state.width,
+                positions=self.positions,  # tree positions: root + depth
             )
-            tree_positions_(self.positions, state.step)
         state.timer.mark("tree_layout")
         return result
 

@@ -237,6 +237,22 @@ def test_fused_walk_and_moves_match_torch(num_req, depth, vocab, budget):
     check_walk(tree, depth, gen, walk_tree, walk_tree_triton, dict(num_req=num_req, depth=depth, budget=budget))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter check is tests/unit/test_tree_build_triton.py")
+@pytest.mark.parametrize("num_req,depth,budget", [(1, 15, 15), (8, 15, 64), (64, 7, 128), (3, 3, 17), (5, 1, 1)])
+def test_step_layout_and_padded_tree_inputs_match_torch(num_req, depth, budget):
+    """The verification step's layout kernel (verify/triton_step.py) and the FULL-graph tree inputs kernel
+    (tree/triton_layout.py) against their torch versions on CUDA."""
+    from tests.unit.test_tree_build_triton import check_padded_tree_inputs, check_step_layout
+    from vllm_ddtree.tree import build_draft_tree
+
+    gen = torch.Generator().manual_seed(budget)
+    logits = (torch.randn(num_req, depth, 40, generator=gen) * 3).cuda()
+    tree = build_draft_tree(logits, torch.zeros(num_req, dtype=torch.int64, device="cuda"), budget)
+    for _ in range(4):
+        check_step_layout(tree, gen, dict(num_req=num_req, depth=depth, budget=budget))
+        check_padded_tree_inputs(tree, gen, dict(num_req=num_req, depth=depth, budget=budget))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs FlashAttention-3 (CUDA)")
 @pytest.mark.parametrize("b,budget,ctx", [(1, 15, 1000), (8, 64, 4000), (32, 15, 8192)])
 def test_split_tree_attention_with_fa3_context(b, budget, ctx):

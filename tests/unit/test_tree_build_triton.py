@@ -1,7 +1,9 @@
 """The Triton tree kernels give exactly the tensor-op versions' results: the best-first builder
 (tree/triton_build.py) the torch builder's trees, the ancestor mask (tree/triton_layout.py) and the walk
 (tree/triton_walk.py) the pointer-doubling versions' masks and paths, and its fused form (walk + accepted-path
-moves + sampler output) the verify.scorer functions' results, on every tree built here.
+moves + sampler output) the verify.scorer functions' results, and the step layout (verify/triton_step.py)
+`build_tree_step`'s torch path, and the FULL-graph tree inputs (tree/triton_layout.py) the persistent builder's
+torch ops, on every tree built here.
 
 CI has no GPU, so the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, numpy on the CPU) in a
 subprocess (the switch is read when the kernel is defined). The torch builder is itself checked against brute
@@ -11,6 +13,7 @@ force in test_tree_build.py. Cases: budgets around and far from the depth, ties 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import subprocess
@@ -57,6 +60,8 @@ def compare(seed: int = 0) -> int:
                 assert torch.equal(value, getattr(expected, name)), (case, name, value, getattr(expected, name))
             assert torch.equal(ancestor_mask_triton(expected.parents), ancestor_mask(expected.parents)), case
             check_walk(expected, depth, gen, walk_tree, walk_tree_triton, case)
+            check_step_layout(expected, gen, case)
+            check_padded_tree_inputs(expected, gen, case)
             checked += 1
     return checked
 
@@ -80,6 +85,81 @@ def check_walk(tree, depth: int, gen, walk_tree, walk_tree_triton, case) -> None
     for name, value in zip(("path_nodes", "num_accepted", "output_token_ids"), got):
         assert torch.equal(value, getattr(expected, name)), (case, name, value, getattr(expected, name))
     check_walk_and_moves(tree, depth, gen, target, num_nodes, expected, case)
+
+
+def check_step_layout(tree, gen, case) -> None:
+    """verify/triton_step.py's layout kernel against `build_tree_step`'s torch path (+ `tree_positions_`): a
+    batch mixing kept trees (drafts truncated the way vLLM's scheduler may), placeholder drafts without a kept
+    tree, and requests without drafts, laid out among other scheduled tokens (int32 logits indices)."""
+    import torch
+
+    from vllm_ddtree.verify.step import build_tree_step
+    from vllm_ddtree.verify.triton_step import tree_step_layout_triton_
+
+    kept_trees, width = tree.parents.shape
+    device = tree.parents.device  # random draws on the CPU generator `gen`, then moved
+    num_reqs = 6
+    kind = torch.randint(0, 3, (num_reqs,), generator=gen).tolist()  # 0 kept tree, 1 placeholders, 2 no drafts
+    prev_rows = [int(torch.randint(0, kept_trees, (1,), generator=gen)) if k == 0 else -1 for k in kind]
+    num_draft = [int(torch.randint(1, width, (1,), generator=gen)) if k < 2 else 0 for k in kind]
+    num_logits = sum(num_draft) + num_reqs
+    num_tokens = num_logits + 7  # prefill tokens without logits sit among them
+    logits_indices = torch.randperm(num_tokens, generator=gen)[:num_logits].sort().values.to(torch.int32).to(device)
+    positions = torch.randint(0, 500, (num_tokens,), generator=gen).to(device)
+    expected_positions = positions.clone()
+    with torch_tree_kernels():
+        step = build_tree_step(num_draft, logits_indices, tree.parents, tree.depths, prev_rows, width,
+                               positions=expected_positions)  # fmt: skip
+    kept_rows = torch.tensor([r if n else -1 for r, n in zip(prev_rows, num_draft)], device=device)
+    for with_positions in (True, False):
+        got_positions = positions.clone()
+        got = tree_step_layout_triton_(step.num_nodes, step.node_rows, kept_rows, tree.parents, tree.depths,
+                                       logits_indices, got_positions if with_positions else None)  # fmt: skip
+        for name, value in zip(("parents", "depths", "node_token_index"), got):
+            assert torch.equal(value, getattr(step, name)), (case, kind, name, value, getattr(step, name))
+        assert torch.equal(got_positions, expected_positions if with_positions else positions), (case, kind)
+
+
+def check_padded_tree_inputs(tree, gen, case) -> None:
+    """tree/triton_layout.py's FULL-graph inputs kernel against the torch ops of `_build_persistent`: masks, node
+    counts and context lengths of the requests, zeros for the padding requests after them."""
+    import torch
+
+    from vllm_ddtree.tree.layout import ancestor_mask
+    from vllm_ddtree.tree.triton_layout import padded_tree_inputs_triton_
+
+    num_reqs, width = tree.parents.shape
+    device = tree.parents.device
+    padded = num_reqs + int(torch.randint(0, 3, (1,), generator=gen))
+    num_nodes = torch.randint(1, width + 1, (num_reqs,), generator=gen)
+    seq_lens = torch.zeros(padded, dtype=torch.int32)
+    seq_lens[:num_reqs] = num_nodes.to(torch.int32) + torch.randint(0, 300, (num_reqs,), generator=gen, dtype=torch.int32)
+    num_nodes, seq_lens = num_nodes.to(device), seq_lens.to(device)
+    node_mask = torch.full((padded, width, width), 7, dtype=torch.uint8, device=device)  # poisoned: all written
+    got_num_nodes = torch.full((padded,), -9, dtype=torch.int32, device=device)
+    context_lens = torch.full((padded,), -9, dtype=torch.int32, device=device)
+    padded_tree_inputs_triton_(tree.parents, num_nodes, seq_lens, node_mask, got_num_nodes, context_lens)
+    with torch_tree_kernels():
+        want_mask = ancestor_mask(tree.parents)
+    assert torch.equal(node_mask[:num_reqs].bool(), want_mask), case
+    assert not node_mask[num_reqs:].any() and node_mask.max() <= 1, case
+    want_num_nodes = torch.cat([num_nodes, num_nodes.new_zeros(padded - num_reqs)]).to(torch.int32)
+    assert torch.equal(got_num_nodes, want_num_nodes), case
+    assert torch.equal(context_lens, seq_lens - want_num_nodes), case
+
+
+@contextlib.contextmanager
+def torch_tree_kernels():
+    """The tensor-op versions also on CUDA (the references; on the CPU they run anyway)."""
+    before = os.environ.get("VLLM_DDTREE_TREE_KERNELS")
+    os.environ["VLLM_DDTREE_TREE_KERNELS"] = "torch"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["VLLM_DDTREE_TREE_KERNELS"]
+        else:
+            os.environ["VLLM_DDTREE_TREE_KERNELS"] = before
 
 
 def check_walk_and_moves(tree, depth: int, gen, target, num_nodes, expected_walk, case) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_ddtree.tree import ancestor_mask
+from vllm_ddtree.tree.dispatch import use_triton
 from vllm_ddtree.verify.step import TreeStep, build_tree_step, to_device
 
 ATTRIBUTE = "ddtree"
@@ -116,11 +117,18 @@ class TreeAttentionMetadataBuilder:
         buffers = self.persistent
         num_reqs, padded = step.num_nodes.shape[0], backend_metadata.seq_lens.shape[0]
         node_mask, num_nodes = buffers.node_mask[:padded], buffers.num_nodes[:padded]
-        node_mask[:num_reqs].copy_(ancestor_mask(step.parents))
-        node_mask[num_reqs:].zero_()
-        num_nodes[:num_reqs].copy_(step.num_nodes)
-        num_nodes[num_reqs:].zero_()
-        context_lens = torch.sub(backend_metadata.seq_lens, num_nodes, out=buffers.context_lens[:padded])
+        context_lens = buffers.context_lens[:padded]
+        if use_triton(step.parents):  # one launch
+            from vllm_ddtree.tree.triton_layout import padded_tree_inputs_triton_
+
+            padded_tree_inputs_triton_(step.parents, step.num_nodes, backend_metadata.seq_lens, node_mask,
+                                       num_nodes, context_lens)  # fmt: skip
+        else:
+            node_mask[:num_reqs].copy_(ancestor_mask(step.parents))
+            node_mask[num_reqs:].zero_()
+            num_nodes[:num_reqs].copy_(step.num_nodes)
+            num_nodes[num_reqs:].zero_()
+            torch.sub(backend_metadata.seq_lens, num_nodes, out=context_lens)
         return TreeAttentionMetadata(
             tree_reqs=tree_reqs,
             num_nodes_cpu=step.num_nodes_cpu.tolist() + [0] * (padded - num_reqs),

@@ -1,7 +1,8 @@
 """Ancestor (tree-attention) masks in one Triton launch: the GPU path of `layout.ancestor_mask`.
 
 The torch version doubles pointers (ceil(log2 N) rounds of gathers: ~2 ms of launches at batch 1 on the H200).
-Here one program per (request, node) follows the node's parent chain and writes its mask row. Checked against
+Here one program per (request, node) follows the node's parent chain and writes its mask row;
+`padded_tree_inputs_triton_` does the same into the FULL-graph buffers and adds node counts and context lengths. Checked against
 the torch version in Triton's interpreter (tests/unit/test_tree_build_triton.py).
 """
 
@@ -10,6 +11,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _ancestor_row(parents_ptr, req, node, N, cols):
+    """[BLOCK] bool: cols == node or cols is an ancestor of node (request `req` of parents [R, N])."""
+    row = cols == node
+    ancestor = tl.load(parents_ptr + req * N + node).to(tl.int32)
+    while ancestor >= 0:  # depth-many steps (parents[i] < i in DDTree trees, so the chain ends)
+        row = row | (cols == ancestor)
+        ancestor = tl.load(parents_ptr + req * N + ancestor).to(tl.int32)
+    return row
 
 
 @triton.jit
@@ -22,12 +34,35 @@ def _ancestor_mask_kernel(
     req = tl.program_id(0).to(tl.int64)
     node = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
-    row = cols == node
-    ancestor = tl.load(parents_ptr + req * N + node).to(tl.int32)
-    while ancestor >= 0:  # depth-many steps (parents[i] < i in DDTree trees, so the chain ends)
-        row = row | (cols == ancestor)
-        ancestor = tl.load(parents_ptr + req * N + ancestor).to(tl.int32)
+    row = _ancestor_row(parents_ptr, req, node, N, cols)
     tl.store(mask_ptr + (req * N + node) * N + cols, row.to(tl.int8), mask=cols < N)
+
+
+@triton.jit
+def _padded_tree_inputs_kernel(
+    parents_ptr,  # [R, N] int64, -1 for the root
+    num_nodes_ptr,  # [R] int64
+    seq_lens_ptr,  # [P] int32, context + nodes of every (padded) request
+    mask_ptr,  # [P, N, N] uint8 out: ancestor masks, zero rows for padding requests
+    num_nodes_out_ptr,  # [P] int32 out: num_nodes, 0 for padding requests
+    context_lens_ptr,  # [P] int32 out: seq_lens - num_nodes
+    num_reqs,
+    N,
+    BLOCK: tl.constexpr,  # power of two >= N
+):
+    req = tl.program_id(0).to(tl.int64)
+    node = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    real = req < num_reqs
+    if real:
+        row = _ancestor_row(parents_ptr, req, node, N, cols)
+    else:
+        row = cols < 0
+    tl.store(mask_ptr + (req * N + node) * N + cols, row.to(tl.uint8), mask=cols < N)
+    if node == 0:
+        num_nodes = tl.load(num_nodes_ptr + req, mask=real, other=0).to(tl.int32)
+        tl.store(num_nodes_out_ptr + req, num_nodes)
+        tl.store(context_lens_ptr + req, tl.load(seq_lens_ptr + req) - num_nodes)
 
 
 def ancestor_mask_triton(parents: torch.Tensor) -> torch.Tensor:
@@ -39,3 +74,21 @@ def ancestor_mask_triton(parents: torch.Tensor) -> torch.Tensor:
             parents.contiguous(), mask.view(torch.int8), n, BLOCK=triton.next_power_of_2(n)
         )
     return mask
+
+
+def padded_tree_inputs_triton_(
+    parents: torch.Tensor,  # [R, N] int64
+    num_nodes: torch.Tensor,  # [R] int64
+    seq_lens: torch.Tensor,  # [P] int32, P >= R
+    node_mask: torch.Tensor,  # [P, N, N] uint8 out
+    num_nodes_out: torch.Tensor,  # [P] int32 out
+    context_lens: torch.Tensor,  # [P] int32 out
+) -> None:
+    """The FULL-graph tree inputs in one launch: ancestor masks, node counts and context lengths of R requests,
+    zero masks and counts for the P - R padding requests (the kernels skip 0-node requests)."""
+    padded, width = node_mask.shape[0], node_mask.shape[1]
+    if padded:
+        _padded_tree_inputs_kernel[(padded, width)](
+            parents.contiguous(), num_nodes, seq_lens, node_mask, num_nodes_out, context_lens, parents.shape[0],
+            width, BLOCK=triton.next_power_of_2(width),
+        )  # fmt: skip

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_ddtree.tree.dispatch import use_triton
+
 
 @dataclass
 class TreeStep:
@@ -54,55 +56,75 @@ def build_tree_step(
     prev_depths: torch.Tensor | None,  # [R_prev, N]
     prev_rows: list[int],  # [R] row of each request in prev_*, -1 where it has no drafts
     width: int,
+    positions: torch.Tensor | None = None,  # [num_tokens] if given, tree positions are set (`tree_positions_`)
 ) -> TreeStep:
     device = logits_indices.device
     num_nodes_cpu = np.asarray(num_draft_tokens, dtype=np.int64) + 1
     num_reqs = num_nodes_cpu.shape[0]
     node_cpu = padded_node_index(num_nodes_cpu, width)  # [R, N]
     row_start = np.cumsum(num_nodes_cpu) - num_nodes_cpu
-    tree_reqs_cpu = np.flatnonzero(num_nodes_cpu > 1)
-    prev_cpu = np.asarray(prev_rows, dtype=np.int64)[tree_reqs_cpu]
-    # A request with drafts but no kept tree: vLLM's scheduler pads a new request that needs one token (e.g. a
-    # one-token prompt joining a decode batch) with placeholder drafts (-1) to a full speculative step. Like vLLM,
-    # never accept them: they are laid out as a chain and the walk sees the root only.
-    placeholder_cpu = prev_cpu < 0
-    num_walk_nodes_cpu = num_nodes_cpu.copy()
-    num_walk_nodes_cpu[tree_reqs_cpu[placeholder_cpu]] = 1
-    # One host-to-device upload for every host-side index of the step: [R | R*N | R*N | T | T | R].
+    has_drafts = num_nodes_cpu > 1
+    tree_reqs_cpu = np.flatnonzero(has_drafts)
+    # Row of each request's kept tree; -1 for requests without drafts and for drafts without a kept tree: vLLM's
+    # scheduler pads a new request that needs one token (e.g. a one-token prompt joining a decode batch) with
+    # placeholder drafts (-1) to a full speculative step. Like vLLM, never accept them: they are laid out as a
+    # chain and the walk sees the root only.
+    if prev_parents is None or prev_parents.shape[0] == 0:
+        prev_parents = prev_depths = None
+    kept = has_drafts & (prev_parents is not None)
+    kept_rows_cpu = np.where(kept, np.asarray(prev_rows, dtype=np.int64), -1)
+    num_walk_nodes_cpu = np.where(has_drafts & (kept_rows_cpu < 0), 1, num_nodes_cpu)
+    # One host-to-device upload for every host-side index of the step: [R | R*N | R*N | T | R | R].
     packed = to_device(np.concatenate([num_nodes_cpu, (row_start[:, None] + node_cpu).ravel(), node_cpu.ravel(),
-                                       tree_reqs_cpu, prev_cpu, num_walk_nodes_cpu]), device)
-    sizes = [num_reqs, num_reqs * width, num_reqs * width, tree_reqs_cpu.size, tree_reqs_cpu.size, num_reqs]
-    num_nodes, node_rows, node, tree_reqs, prev, num_walk_nodes = torch.split(packed, sizes)
+                                       tree_reqs_cpu, kept_rows_cpu, num_walk_nodes_cpu]), device)
+    sizes = [num_reqs, num_reqs * width, num_reqs * width, tree_reqs_cpu.size, num_reqs, num_reqs]
+    num_nodes, node_rows, node, tree_reqs, kept_rows, num_walk_nodes = torch.split(packed, sizes)
     node_rows = node_rows.view(num_reqs, width)
-    node = node.view(num_reqs, width)
+    if use_triton(logits_indices):
+        from vllm_ddtree.verify.triton_step import tree_step_layout_triton_
 
-    parents = torch.full((num_reqs, width), -1, dtype=torch.int64, device=device)
-    depths = torch.zeros((num_reqs, width), dtype=torch.int64, device=device)
-    if tree_reqs_cpu.size and not placeholder_cpu.any():
-        assert prev_parents is not None and prev_depths is not None
-        parents[tree_reqs] = prev_parents[prev]
-        depths[tree_reqs] = prev_depths[prev]
-    elif tree_reqs_cpu.size:
-        chain = torch.arange(width, device=device).expand(tree_reqs_cpu.size, width)  # [T, N]
-        tree_parents, tree_depths = chain - 1, chain
-        if prev_parents is not None and prev_depths is not None:
-            kept = (prev >= 0)[:, None]  # [T, 1]
-            tree_parents = torch.where(kept, prev_parents[prev.clamp(min=0)], tree_parents)
-            tree_depths = torch.where(kept, prev_depths[prev.clamp(min=0)], tree_depths)
-        parents[tree_reqs] = tree_parents
-        depths[tree_reqs] = tree_depths
-    depths = depths.gather(1, node)
-    return TreeStep(
+        parents, depths, node_token_index = tree_step_layout_triton_(
+            num_nodes, node_rows, kept_rows, prev_parents, prev_depths, logits_indices, positions
+        )
+    else:
+        parents, depths = _layout_torch(num_nodes, node.view(num_reqs, width), kept_rows, prev_parents, prev_depths)
+        node_token_index = logits_indices.to(torch.int64)[node_rows]
+    step = TreeStep(
         num_nodes=num_nodes,
         parents=parents,
         depths=depths,
         node_rows=node_rows,
-        node_token_index=logits_indices.to(torch.int64)[node_rows],
+        node_token_index=node_token_index,
         num_nodes_cpu=num_nodes_cpu,
         tree_reqs_cpu=tree_reqs_cpu,
         tree_reqs=tree_reqs,
         num_walk_nodes=num_walk_nodes,
     )
+    if positions is not None and not use_triton(logits_indices):
+        tree_positions_(positions, step)
+    return step
+
+
+def _layout_torch(
+    num_nodes: torch.Tensor,  # [R]
+    node: torch.Tensor,  # [R, N] padded node index
+    kept_rows: torch.Tensor,  # [R], -1: no kept tree
+    prev_parents: torch.Tensor | None,  # [R_prev, N]
+    prev_depths: torch.Tensor | None,  # [R_prev, N]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parents, depths) [R, N]: the kept tree's, else a chain for requests with drafts, else the root alone;
+    depths are those of the padded node index. The reference of `triton_step`'s kernel."""
+    width = node.shape[1]
+    chain = torch.arange(width, device=node.device)[None, :]  # [1, N]
+    has_drafts = (num_nodes > 1)[:, None]  # [R, 1]
+    parents = torch.where(has_drafts, chain - 1, -1)  # [R, N]
+    depths = torch.where(has_drafts, chain, 0)
+    if prev_parents is not None and prev_depths is not None:
+        kept = (kept_rows >= 0)[:, None]
+        row = kept_rows.clamp(min=0)
+        parents = torch.where(kept, prev_parents[row], parents)
+        depths = torch.where(kept, prev_depths[row], depths)
+    return parents, depths.gather(1, node)
 
 
 def tree_positions_(positions: torch.Tensor, step: TreeStep) -> None:
