@@ -10,7 +10,8 @@ query rows per request). For each (batch, context):
   fa3_ctx   FA3 over the context only, non-causal, returning the LSE: part (a) of a split design
   tree_only our kernel on the tree keys alone (context 0): an upper bound of part (b) of a split design
 Every variant rotates over enough caches that the working set exceeds the L2. Times are medians of
-`triton.testing.do_bench`. Writes JSON to --out and prints a table.
+`triton.testing.do_bench` (eager calls: small cases then time the host's launches), or with --cuda-graphs of
+CUDA-graph replays (GPU time, as inside vLLM's FULL graphs). Writes JSON to --out and prints a table.
 
     python scripts/bench_attention.py --out /tmp/attn.json
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 from pathlib import Path
@@ -86,7 +88,12 @@ def _fa3(flash_attn_varlen_func, case, inputs, causal: bool, lse: bool):
     )  # fmt: skip
 
 
-def bench_attention(batches, contexts, budget, rep_ms):
+def bench_attention(batches, contexts, budget, rep_ms, graphs: bool):
+    """graphs: time replays of CUDA graphs of the calls (GPU time only, as inside vLLM's FULL graphs); else
+    `do_bench` on eager calls, where small cases measure the host's launch time (Python wrappers, ~40-60 us a
+    Triton launch) rather than the GPU's."""
+    bench = triton.testing.do_bench_cudagraph if graphs else triton.testing.do_bench
+    time_it = functools.partial(bench, rep=rep_ms, return_mode="median")
     from vllm_ddtree.compat import flash_attn_varlen
 
     fa = flash_attn_varlen()
@@ -105,20 +112,12 @@ def bench_attention(batches, contexts, budget, rep_ms):
             fa_ctx_in = {id(c): _fa3_inputs(c, True) for c in cases}
             split_trees = {id(c): _split_tree(c) for c in cases}
             times = {
-                "split": triton.testing.do_bench(_rotating(cases, lambda c: _split(c, split_trees[id(c)], out)),
-                                                 rep=rep_ms, return_mode="median"),
-                "tree": triton.testing.do_bench(_rotating(cases, lambda c: _tree(c, out)), rep=rep_ms,
-                                                return_mode="median"),
-                "fa3": triton.testing.do_bench(_rotating(cases, lambda c: _fa3(fa, c, fa_in[id(c)], True, False)),
-                                               rep=rep_ms, return_mode="median"),
-                "fa3_ctx": triton.testing.do_bench(
-                    _rotating(cases, lambda c: _fa3(fa, c, fa_ctx_in[id(c)], False, True)), rep=rep_ms,
-                    return_mode="median"),
-                "tree_only": triton.testing.do_bench(_rotating(tree_only, lambda c: _tree(c, out0)), rep=rep_ms,
-                                                     return_mode="median"),
-            }  # fmt: skip
-            # Same function check on one case: our kernel vs FA3 causal differ only in the mask of tree rows, so
-            # compare on a chain tree, where the ancestor mask is the causal mask.
+                "split": time_it(_rotating(cases, lambda c: _split(c, split_trees[id(c)], out))),
+                "tree": time_it(_rotating(cases, lambda c: _tree(c, out))),
+                "fa3": time_it(_rotating(cases, lambda c: _fa3(fa, c, fa_in[id(c)], True, False))),
+                "fa3_ctx": time_it(_rotating(cases, lambda c: _fa3(fa, c, fa_ctx_in[id(c)], False, True))),
+                "tree_only": time_it(_rotating(tree_only, lambda c: _tree(c, out0))),
+            }
             row = {"batch": batch, "context": ctx, "budget": budget, "kv_MB": kv_bytes / 2**20, **times}
             row["tree_vs_fa3"] = times["fa3"] / times["tree"]
             row["split_vs_fa3"] = times["fa3"] / times["split"]  # the issue's throughput ratio (goal >= 0.8)
@@ -186,12 +185,15 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--contexts", default="1024,4096,8192")
     parser.add_argument("--rep-ms", type=int, default=60)
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="time CUDA-graph replays (GPU time, as in vLLM's FULL graphs) instead of eager calls")
     args = parser.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
-    result = {"device": torch.cuda.get_device_name(), "chain_check_rel_err": chain_check(args.budget)}
+    result = {"device": torch.cuda.get_device_name(), "cuda_graphs": args.cuda_graphs,
+              "chain_check_rel_err": chain_check(args.budget)}
     print("chain check (our paths on chain trees vs FA3 causal), relative errors:", result["chain_check_rel_err"])
-    result["attention"] = bench_attention(batches, contexts, args.budget, args.rep_ms)
+    result["attention"] = bench_attention(batches, contexts, args.budget, args.rep_ms, args.cuda_graphs)
     result["compaction"] = bench_compaction(batches, args.budget, args.rep_ms)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print("\n| batch | context | split us | FA3 causal us | FA3/split | one-pass us | FA3/one-pass |")

@@ -1,10 +1,10 @@
 """Per-step decode time at Qwen3-8B shape (dummy weights): no speculation vs in-tree DFlash vs DDTree.
 
-One engine per method (engine start dominates: ~1-3 min each at this size), reused for every batch size. With
-dummy weights acceptance is ~0, so every step is one draft + one verification of B + 1 tokens per request: the
-cost the method adds per step. Per-step time = (time to generate 1 + S tokens - time to generate 1 token) / steps,
-steps counted from vLLM's spec-decode metrics (S for no speculation). For DDTree a second, profiled pass
-(VLLM_DDTREE_PROFILE, one sync per step) gives the per-phase breakdown.
+One engine per method (engine start dominates: ~1-3 min each at this size), reused for every batch size; several
+methods run one process each. With dummy weights acceptance is ~0, so every step is one draft + one verification
+of B + 1 tokens per request: the cost the method adds per step. Per-step time = (time to generate 1 + S tokens -
+time to generate 1 token) / steps, steps counted from vLLM's spec-decode metrics (S for no speculation). For
+DDTree a second, profiled pass (VLLM_DDTREE_PROFILE, one sync per step) gives the per-phase breakdown.
 
     python scripts/bench_step.py --methods none,dflash --out /tmp/step.json
     python scripts/bench_step.py --methods ddtree --out /tmp/step.json   # merges into the same file
@@ -21,6 +21,7 @@ import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -233,6 +234,19 @@ def print_table(rows: list[dict]) -> None:
                 print(f"ddtree batch {r['batch']} {kind} per phase: {phases}")
 
 
+def argv_with_methods(argv: list[str], method: str) -> list[str]:
+    """`argv` with its --methods value replaced by `method`."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--methods":
+            skip = True
+        elif not arg.startswith("--methods="):
+            kept.append(arg)
+    return kept + ["--methods", method]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--methods", default="none,dflash,ddtree")
@@ -260,8 +274,17 @@ def main() -> None:
         (target, drafter), args.load_format = write_models(Path(args.models_dir)), "dummy"
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    methods = args.methods.split(",")
+    if len(methods) > 1:
+        # One process per method: vLLM 0.26's CUDA-graph capture guard is process-wide, and a Model Runner V2 engine
+        # (`dflash`) started after a V1 one (`ddtree`) in the same process refused to capture (H200, session 14).
+        for method in methods:
+            run = subprocess.run([sys.executable, __file__, *argv_with_methods(sys.argv[1:], method)])
+            print(f"[{method}] exit status {run.returncode}", flush=True)
+        print_table(json.loads(out.read_text())["rows"] if out.exists() else [])
+        return
     result = json.loads(out.read_text()) if out.exists() else {"rows": []}
-    for method in args.methods.split(","):
+    for method in methods:
         rows = run_method(method, target, drafter, args)
         result["rows"] = [r for r in result["rows"] if r["method"] != method] + rows
         out.write_text(json.dumps(result, indent=1))

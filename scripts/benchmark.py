@@ -176,7 +176,8 @@ def main() -> None:
     parser.add_argument("--prompts-file", default=None, help="JSON list of prompt strings")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs / torch.compile")
     parser.add_argument("--stop-at-eos", action="store_true", help="end answers at EOS (default: fixed length)")
-    parser.add_argument("--methods", nargs="+", default=None, help="subset of method names to run")
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="method names to run, in this order (none, dflash, dflash-v1, ddtree-B<budget>)")
     parser.add_argument("--min-prompts", type=int, default=16,
                         help="prompts per measurement at least: small batch sizes run them in consecutive groups")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
@@ -201,7 +202,13 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     block_size = json.loads((Path(args.drafter) / "config.json").read_text())["block_size"] if args.drafter else 0
-    plan = [m for m in methods(args.drafter, block_size, args.budgets) if not args.methods or m[0] in args.methods]
+    plan = methods(args.drafter, block_size, args.budgets)
+    if args.methods:  # in the order asked for (a call cut by its time limit keeps the first ones)
+        by_name = dict(plan)
+        unknown = [m for m in args.methods if m not in by_name]
+        if unknown:
+            parser.error(f"unknown --methods {unknown}; known: {list(by_name)} (budgets come from --budgets)")
+        plan = [(m, by_name[m]) for m in args.methods]
     rows: list[dict] = []
     if args.resume and (out / "results.json").is_file():
         rows = json.loads((out / "results.json").read_text())["rows"]
