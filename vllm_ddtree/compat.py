@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from unittest import mock
 
 import vllm
 from vllm.engine.arg_utils import EngineArgs
@@ -81,23 +82,13 @@ def choose_v1_model_runner(is_ddtree, logger) -> None:
     VllmConfig.use_v2_model_runner = property(use_v2_model_runner)
 
 
-@contextlib.contextmanager
 def v1_model_runner_for(method: str):
-    """Inside: engines of `method` names ending in "-v1" (benchmarks' `dflash-v1`: vLLM's chain on the V1 runner,
-    DDTree's runner) start on vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0); other names change nothing. The
-    CPU build runs V1 only, so there "-v1" is the default runner."""
+    """A context: engines of `method` names ending in "-v1" (benchmarks' `dflash-v1`: vLLM's chain on the V1
+    runner, DDTree's runner) start on vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0 inside); other names
+    change nothing. The CPU build runs V1 only, so there "-v1" is the default runner."""
     if not method.endswith("-v1"):
-        yield
-        return
-    previous = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
-        else:
-            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = previous
+        return contextlib.nullcontext()
+    return mock.patch.dict(os.environ, {"VLLM_USE_V2_MODEL_RUNNER": "0"})
 
 
 def reserve_drafter_slots_for_tree_depth(tree_depth) -> None:

@@ -13,11 +13,11 @@ force in test_tree_build.py. Cases: budgets around and far from the depth, ties 
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 
@@ -148,18 +148,9 @@ def check_padded_tree_inputs(tree, gen, case) -> None:
     assert torch.equal(context_lens, seq_lens - want_num_nodes), case
 
 
-@contextlib.contextmanager
 def torch_tree_kernels():
-    """The tensor-op versions also on CUDA (the references; on the CPU they run anyway)."""
-    before = os.environ.get("VLLM_DDTREE_TREE_KERNELS")
-    os.environ["VLLM_DDTREE_TREE_KERNELS"] = "torch"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["VLLM_DDTREE_TREE_KERNELS"]
-        else:
-            os.environ["VLLM_DDTREE_TREE_KERNELS"] = before
+    """A context running the tensor-op versions also on CUDA (the references; on the CPU they run anyway)."""
+    return mock.patch.dict(os.environ, {"VLLM_DDTREE_TREE_KERNELS": "torch"})
 
 
 def check_walk_and_moves(tree, depth: int, gen, target, num_nodes, expected_walk, case) -> None:
