@@ -2,8 +2,8 @@
 
 The torch version doubles pointers (ceil(log2 N) rounds of gathers: ~2 ms of launches at batch 1 on the H200).
 Here one program per (request, node) follows the node's parent chain and writes its mask row;
-`padded_tree_inputs_triton_` does the same into the FULL-graph buffers and adds node counts and context lengths. Checked against
-the torch version in Triton's interpreter (tests/unit/test_tree_build_triton.py).
+`padded_tree_inputs_triton_` does the same into the FULL-graph buffers and adds node counts and context lengths.
+Checked against the torch versions in Triton's interpreter (tests/unit/test_tree_build_triton.py).
 """
 
 from __future__ import annotations
