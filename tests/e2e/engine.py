@@ -29,7 +29,10 @@ class RunResult:
 
 def device_kwargs() -> dict:
     """Engine settings per machine. CPU: eager. CUDA: vLLM's default CUDA graphs (a short list of capture sizes to
-    keep engine start short), unless DDTREE_E2E_EAGER=1 asks for eager mode."""
+    keep engine start short), unless DDTREE_E2E_EAGER=1 asks for eager mode, or DDTREE_E2E_GRAPHS_ONLY=1 for full
+    CUDA graphs of decode (verification) batches without vLLM's compiler: the same tree attention inside full
+    graphs, without the minutes of a cold torch.compile (the float32 identity case did not start within 270 s
+    on a fresh H200 in session 14)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -42,8 +45,10 @@ def device_kwargs() -> dict:
     kwargs = dict(max_num_seqs=8)
     if os.environ.get("DDTREE_E2E_EAGER") == "1":
         return dict(kwargs, enforce_eager=True)
-    return dict(kwargs, enforce_eager=False, compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128,
-                                                                                         256]})
+    compilation = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64, 128, 256]}
+    if os.environ.get("DDTREE_E2E_GRAPHS_ONLY") == "1":
+        compilation.update(mode=0, cudagraph_mode="FULL_DECODE_ONLY")  # CompilationMode.NONE
+    return dict(kwargs, enforce_eager=False, compilation_config=compilation)
 
 
 def make_llm(target: str, spec: dict | None, **engine_kwargs):
