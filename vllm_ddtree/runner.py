@@ -185,7 +185,9 @@ def install_runner_hooks() -> None:
         state.timer.mark("vllm_prepare_inputs")
         logits_indices, spec_decode_metadata = prepare_inputs_outputs(result)
         state.step = state.walk = state.moves = None
-        if spec_decode_metadata is not None:
+        if spec_decode_metadata is None:
+            state.timer.skip_step()  # no verification: not a decode step of the profile
+        else:
             prev_rows = [state.prev_rows.get(req_id, -1) for req_id in self.input_batch.req_ids]
             state.step = build_tree_step(
                 spec_decode_metadata.num_draft_tokens,
