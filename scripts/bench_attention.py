@@ -57,12 +57,10 @@ def _tree(case, out):
 
 
 def _split_tree(case):
-    """case.tree with the split design's inputs: FA3's cu_seqlens_q and every request's context length."""
-    t = case.tree
-    width = t.node_mask.shape[1]
-    cu_q = torch.arange(0, (t.num_nodes.shape[0] + 1) * width, width, device="cuda", dtype=torch.int32)
-    return dataclasses.replace(t, cu_seqlens_q=cu_q, context_lens=(t.seq_lens - t.num_nodes).to(torch.int32),
-                               covers_all_tokens=True)
+    """case.tree with the split design's inputs: FA3's cu_seqlens_q and every request's context length (those of
+    FA3's context-only pass)."""
+    _, cu_q, context_lens, _ = _fa3_inputs(case, context_only=True)
+    return dataclasses.replace(case.tree, cu_seqlens_q=cu_q, context_lens=context_lens, covers_all_tokens=True)
 
 
 def _split(case, tree, out):

@@ -80,7 +80,8 @@ def build_tree_step(
     sizes = [num_reqs, num_reqs * width, num_reqs * width, tree_reqs_cpu.size, num_reqs, num_reqs]
     num_nodes, node_rows, node, tree_reqs, kept_rows, num_walk_nodes = torch.split(packed, sizes)
     node_rows = node_rows.view(num_reqs, width)
-    if use_triton(logits_indices):
+    on_triton = use_triton(logits_indices)
+    if on_triton:
         from vllm_ddtree.verify.triton_step import tree_step_layout_triton_
 
         parents, depths, node_token_index = tree_step_layout_triton_(
@@ -100,7 +101,7 @@ def build_tree_step(
         tree_reqs=tree_reqs,
         num_walk_nodes=num_walk_nodes,
     )
-    if positions is not None and not use_triton(logits_indices):
+    if positions is not None and not on_triton:  # the kernel has set them
         tree_positions_(positions, step)
     return step
 
