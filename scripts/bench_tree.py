@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vllm_ddtree.tree import ancestor_mask, build_draft_tree, walk_tree  # noqa: E402
-from vllm_ddtree.tree.build import _top_tokens, _topk_k  # noqa: E402
+from vllm_ddtree.tree.build import top_tokens, topk_per_depth  # noqa: E402
 
 
 def median_ms(fn, iters: int) -> float:
@@ -49,7 +49,7 @@ def measure(batch: int, budget: int, depth: int, vocab: int, iters: int) -> dict
     num_nodes = torch.full((batch,), budget + 1, device="cuda")
     return {
         "build_ms": median_ms(lambda: build_draft_tree(logits, roots, budget), iters),
-        "topk_ms": median_ms(lambda: _top_tokens(logits, _topk_k(vocab, None, budget)), iters),  # part of build
+        "topk_ms": median_ms(lambda: top_tokens(logits, topk_per_depth(vocab, None, budget)), iters),  # part of build
         "mask_ms": median_ms(lambda: ancestor_mask(tree.parents), iters),
         "walk_ms": median_ms(lambda: walk_tree(tree.token_ids, tree.parents, tree.depths, target, num_nodes, depth),
                              iters),

@@ -32,7 +32,7 @@ def cases():
 def compare(seed: int = 0) -> int:
     import torch
 
-    from vllm_ddtree.tree.build import _check_args, _top_tokens, _topk_k, build_draft_tree, max_tree_nodes
+    from vllm_ddtree.tree.build import _check_args, build_draft_tree, max_tree_nodes, top_tokens, topk_per_depth
     from vllm_ddtree.tree.layout import ancestor_mask
     from vllm_ddtree.tree.triton_build import best_first_tree
     from vllm_ddtree.tree.triton_layout import ancestor_mask_triton
@@ -53,7 +53,7 @@ def compare(seed: int = 0) -> int:
             roots = torch.randint(0, vocab, (num_req,), generator=gen)
             expected = build_draft_tree(logits, roots, budget, max_topk)
             _check_args(logits, roots, budget, max_topk)
-            tok, lp = _top_tokens(logits, _topk_k(vocab, max_topk, budget))
+            tok, lp = top_tokens(logits, topk_per_depth(vocab, max_topk, budget))
             got = best_first_tree(lp, tok, roots, budget + 1)
             case = dict(depth=depth, vocab=vocab, budget=budget, max_topk=max_topk, grid=grid, num_req=num_req)
             for name, value in zip(("token_ids", "parents", "depths", "log_probs"), got):

@@ -51,7 +51,7 @@ import torch
 
 from vllm_ddtree.tree.dispatch import use_triton
 
-__all__ = ["DraftTree", "build_draft_tree", "max_tree_nodes"]
+__all__ = ["DraftTree", "build_draft_tree", "max_tree_nodes", "top_tokens", "tree_from_top_tokens"]
 
 
 @dataclass
@@ -73,7 +73,8 @@ class _DepthBeam:
     parent_slots: torch.Tensor  # [R, W] int64 slot of the parent in the previous depth's beam (0 at depth 1)
 
 
-def _topk_k(vocab_size: int, max_topk: int | None, budget: int) -> int:
+def topk_per_depth(vocab_size: int, max_topk: int | None, budget: int) -> int:
+    """K: the tokens a depth contributes, min(budget, vocab_size, max_topk or budget)."""
     return min(budget, vocab_size, budget if max_topk is None else max_topk)
 
 
@@ -88,7 +89,7 @@ def max_tree_nodes(depth: int, vocab_size: int, max_topk: int | None, budget: in
             raise ValueError(f"{name} must be >= 1, got {value}")
     if max_topk is not None and max_topk < 1:
         raise ValueError(f"max_topk must be >= 1 or None (no cap), got {max_topk}")
-    k = _topk_k(vocab_size, max_topk, budget)
+    k = topk_per_depth(vocab_size, max_topk, budget)
     return sum(k**d for d in range(1, depth + 1))
 
 
@@ -106,7 +107,7 @@ def _stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(key, k, dim=-1, sorted=True).indices
 
 
-def _top_tokens(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_tokens(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-depth top-k tokens ranked by logit descending and their float32 log-probabilities, non-increasing
     along the last dim. Equal logits: lower id first on the CPU, torch.topk's choice on CUDA (module docstring).
 
@@ -271,10 +272,21 @@ def build_draft_tree(
     """
     _check_args(draft_logits, root_token_ids, budget, max_topk)
     vocab = draft_logits.shape[2]
-    tok, lp = _top_tokens(draft_logits, _topk_k(vocab, max_topk, budget))  # [R, D, K]
-    if use_triton(draft_logits):
+    tok, lp = top_tokens(draft_logits, topk_per_depth(vocab, max_topk, budget))  # [R, D, K]
+    return tree_from_top_tokens(tok, lp, root_token_ids, budget)
+
+
+def tree_from_top_tokens(
+    token_ids: torch.Tensor,  # [R, D, K] per-depth top tokens, best first (`top_tokens`)
+    log_probs: torch.Tensor,  # [R, D, K] float32, non-increasing along K
+    root_token_ids: torch.Tensor,  # [R]
+    budget: int,
+) -> DraftTree:
+    """The best-`budget` tree from per-depth top tokens already picked (`build_draft_tree` after its top-k;
+    Model Runner V2's drafter picks them inside its CUDA graph). One Triton launch on CUDA."""
+    if use_triton(log_probs):
         from vllm_ddtree.tree.triton_build import best_first_tree  # the same tree in one launch
 
-        return DraftTree(*best_first_tree(lp, tok, root_token_ids, budget + 1))
-    slots = _flatten_beams(_depth_beams(lp, tok, budget), root_token_ids)
+        return DraftTree(*best_first_tree(log_probs, token_ids, root_token_ids, budget + 1))
+    slots = _flatten_beams(_depth_beams(log_probs, token_ids, budget), root_token_ids)
     return _pick_nodes(slots, budget + 1)
