@@ -10,8 +10,9 @@ DDTree a second, profiled pass (VLLM_DDTREE_PROFILE, one sync per step) gives th
     python scripts/bench_step.py --methods ddtree --out /tmp/step.json   # merges into the same file
     python scripts/bench_step.py --target T --drafter D --methods none,dflash,dflash-v1,ddtree --torch-profile
 
-`dflash-v1` runs vLLM's chain on the V1 model runner, the one DDTree hooks (vLLM 0.26 runs `dflash` on Model Runner
-V2 by default), so the DDTree/chain ratio can be split into runner and tree costs.
+`dflash-v1` runs vLLM's chain on the V1 model runner, the one DDTree hooks by default (vLLM 0.26 runs `dflash` on Model
+Runner V2), so the DDTree/chain ratio can be split into runner and tree costs; `ddtree-v2` runs DDTree on Model
+Runner V2 (VLLM_DDTREE_RUNNER=v2).
 """
 
 from __future__ import annotations
@@ -57,10 +58,13 @@ def write_models(root: Path) -> tuple[str, str]:
 
 
 def spec_for(method: str, drafter: str, budget: int):
-    """`dflash-v1` is vLLM's DFlash chain on the V1 model runner (DDTree's runner); `dflash` on vLLM's default."""
+    """`dflash-v1` is vLLM's DFlash chain on the V1 model runner (DDTree's default runner), `dflash` on vLLM's
+    default; `ddtree-v2` is DDTree on Model Runner V2 (`compat.model_runner_for`)."""
+    from vllm_ddtree.compat import method_without_runner
+
     if method == "none":
         return None
-    return {"method": method.removesuffix("-v1"), "model": drafter, "num_speculative_tokens": budget}
+    return {"method": method_without_runner(method), "model": drafter, "num_speculative_tokens": budget}
 
 
 def num_drafts(llm) -> int:
@@ -182,10 +186,10 @@ def sync_report(llm, batch: int, prompt_len: int, steps: int, vocab: int, path: 
 def run_method(method: str, target: str, drafter: str, args) -> list[dict]:
     from vllm import LLM
 
-    from vllm_ddtree.compat import v1_model_runner_for
+    from vllm_ddtree.compat import model_runner_for
 
     start = time.perf_counter()
-    with v1_model_runner_for(method):
+    with model_runner_for(method):
         llm = LLM(
             model=target, speculative_config=spec_for(method, drafter, args.budget), load_format=args.load_format,
             skip_tokenizer_init=True, max_model_len=args.prompt_len + 2 * args.steps + 64,
@@ -198,7 +202,7 @@ def run_method(method: str, target: str, drafter: str, args) -> list[dict]:
     for batch in args.batches:
         row = measure(llm, method, batch, args.prompt_len, args.steps, args.repeats, vocab)
         row["engine_init_s"] = init_s
-        if method == "ddtree":
+        if method == "ddtree":  # the per-phase timer is the V1 runner's (runner.py)
             row["profile"] = profile_pass(llm, batch, args.prompt_len, args.steps, Path(args.out).with_suffix(
                 f".profile{batch}.json"))  # fmt: skip
         if args.torch_profile:
@@ -219,13 +223,15 @@ def run_method(method: str, target: str, drafter: str, args) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     by = {(r["method"], r["batch"]): r for r in rows}
-    methods = [m for m in ("none", "dflash", "dflash-v1", "ddtree") if any(r["method"] == m for r in rows)]
-    print("\n| batch | " + " | ".join(f"{m} ms/step" for m in methods) + " | ddtree / dflash | ddtree / dflash-v1 |")
-    print("| ---: " * (len(methods) + 3) + "|")
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    trees = [m for m in methods if m.startswith("ddtree")]
+    pairs = [(t, c) for t in trees for c in ("dflash", "dflash-v1") if c in methods]
+    print("\n| batch | " + " | ".join(f"{m} ms/step" for m in methods) + "".join(f" | {t} / {c}" for t, c in pairs) + " |")
+    print("| ---: " * (len(methods) + len(pairs) + 1) + "|")
     for b in sorted({r["batch"] for r in rows}):
         ms = {m: by.get((m, b), {}).get("step_ms_median") for m in methods}
-        ratios = [f"{ms['ddtree'] / ms[m]:.3f}" if ms.get("ddtree") and ms.get(m) else "-" for m in ("dflash", "dflash-v1")]
-        print(f"| {b} | " + " | ".join(f"{ms[m]:.2f}" if ms[m] else "-" for m in methods) + f" | {' | '.join(ratios)} |")
+        ratios = [f"{ms[t] / ms[c]:.3f}" if ms.get(t) and ms.get(c) else "-" for t, c in pairs]
+        print(f"| {b} | " + " | ".join(f"{ms[m]:.2f}" if ms[m] else "-" for m in methods) + "".join(f" | {x}" for x in ratios) + " |")
     for r in rows:
         prof = r.get("profile", {})
         for kind in ("gpu_ms", "host_ms"):

@@ -161,7 +161,7 @@ def main() -> None:
     from tqdm import tqdm
     from vllm import LLM
 
-    from vllm_ddtree.compat import shutdown_llm, v1_model_runner_for
+    from vllm_ddtree.compat import method_without_runner, model_runner_for, shutdown_llm
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", help="Hugging Face folder of the target (required unless --plot-from)")
@@ -177,7 +177,8 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs / torch.compile")
     parser.add_argument("--stop-at-eos", action="store_true", help="end answers at EOS (default: fixed length)")
     parser.add_argument("--methods", nargs="+", default=None,
-                        help="method names to run, in this order (none, dflash, dflash-v1, ddtree-B<budget>)")
+                        help="method names to run, in this order (none, dflash, dflash-v1, ddtree-B<budget>; "
+                             "a -v2 suffix runs DDTree on Model Runner V2, e.g. ddtree-B32-v2)")
     parser.add_argument("--min-prompts", type=int, default=16,
                         help="prompts per measurement at least: small batch sizes run them in consecutive groups")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
@@ -205,10 +206,11 @@ def main() -> None:
     plan = methods(args.drafter, block_size, args.budgets)
     if args.methods:  # in the order asked for (a call cut by its time limit keeps the first ones)
         by_name = dict(plan)
-        unknown = [m for m in args.methods if m not in by_name]
+        unknown = [m for m in args.methods if m not in by_name and method_without_runner(m) not in by_name]
         if unknown:
-            parser.error(f"unknown --methods {unknown}; known: {list(by_name)} (budgets come from --budgets)")
-        plan = [(m, by_name[m]) for m in args.methods]
+            parser.error(f"unknown --methods {unknown}; known: {list(by_name)} with an optional -v2 suffix for "
+                         "DDTree on Model Runner V2 (budgets come from --budgets)")
+        plan = [(m, by_name.get(m, by_name.get(method_without_runner(m)))) for m in args.methods]
     rows: list[dict] = []
     if args.resume and (out / "results.json").is_file():
         rows = json.loads((out / "results.json").read_text())["rows"]
@@ -223,7 +225,7 @@ def main() -> None:
         draft_slots = (spec["num_speculative_tokens"] + 2) if spec else 0
         step_tokens = max_num_seqs * (1 + (spec["num_speculative_tokens"] if spec else 0))
         graph_sizes = args.cudagraph_capture_sizes or capture_sizes(step_tokens)
-        with v1_model_runner_for(name):
+        with model_runner_for(name):
             llm = LLM(
                 model=args.target, speculative_config=spec, dtype=args.dtype, max_model_len=args.max_model_len,
                 load_format=args.load_format, enforce_eager=args.eager, disable_log_stats=False,

@@ -27,4 +27,10 @@ def register() -> None:
     install_config_hook()
     install_request_hook()
     install_runner_hooks()
+    from vllm_ddtree.compat import v2_runner_requested
+
+    if v2_runner_requested():  # VLLM_DDTREE_RUNNER=v2: Model Runner V2 (GPU)
+        from vllm_ddtree.runner_v2 import install_v2_runner_hooks
+
+        install_v2_runner_hooks()
     install_metrics()  # tree metrics on /metrics (the API server process; see metrics.py)

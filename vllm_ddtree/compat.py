@@ -57,8 +57,9 @@ def prepare_inputs_outputs(result) -> tuple:
 def choose_v1_model_runner(is_ddtree, logger) -> None:
     """Make `VllmConfig.use_v2_model_runner` False for configs where `is_ddtree(speculative_config)`.
 
-    vLLM 0.26 picks Model Runner V2 by default on GPU; DDTree's hooks live on the V1 runner. An explicit
-    VLLM_USE_V2_MODEL_RUNNER=1 is refused with a message saying how to fix it. Idempotent.
+    vLLM 0.26 picks Model Runner V2 by default on GPU; DDTree's default hooks live on the V1 runner. An explicit
+    VLLM_USE_V2_MODEL_RUNNER=1 is refused with a message saying how to fix it. With VLLM_DDTREE_RUNNER=v2
+    (`runner_v2.py`, opt-in) vLLM's own choice stands. Idempotent.
     """
     import vllm.envs as envs
     from vllm.config import VllmConfig
@@ -68,12 +69,13 @@ def choose_v1_model_runner(is_ddtree, logger) -> None:
         return
 
     def use_v2_model_runner(self) -> bool:
-        if not is_ddtree(self.speculative_config):
+        if not is_ddtree(self.speculative_config) or v2_runner_requested():
             return original.fget(self)
         if envs.VLLM_USE_V2_MODEL_RUNNER:
             raise ValueError(
                 "speculative method 'ddtree' runs on vLLM's V1 model runner, but VLLM_USE_V2_MODEL_RUNNER=1 asks "
-                "for Model Runner V2; unset VLLM_USE_V2_MODEL_RUNNER (or set it to 0)."
+                "for Model Runner V2; unset VLLM_USE_V2_MODEL_RUNNER (or set it to 0), or set VLLM_DDTREE_RUNNER=v2 "
+                "for DDTree's Model Runner V2 hooks."
             )
         logger.info_once("DDTree: using the V1 model runner (GPUModelRunner), which DDTree's hooks extend.")
         return False
@@ -82,13 +84,71 @@ def choose_v1_model_runner(is_ddtree, logger) -> None:
     VllmConfig.use_v2_model_runner = property(use_v2_model_runner)
 
 
-def v1_model_runner_for(method: str):
-    """A context: engines of `method` names ending in "-v1" (benchmarks' `dflash-v1`: vLLM's chain on the V1
-    runner, DDTree's runner) start on vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0 inside); other names
-    change nothing. The CPU build runs V1 only, so there "-v1" is the default runner."""
-    if not method.endswith("-v1"):
-        return contextlib.nullcontext()
-    return mock.patch.dict(os.environ, {"VLLM_USE_V2_MODEL_RUNNER": "0"})
+RUNNER_ENV = "VLLM_DDTREE_RUNNER"
+
+
+def v2_runner_requested() -> bool:
+    """VLLM_DDTREE_RUNNER=v2: DDTree on Model Runner V2 (opt-in while it is new; `runner_v2.py`)."""
+    return os.environ.get(RUNNER_ENV, "v1").lower() == "v2"
+
+
+def v2_model_runner_module():
+    """vLLM's Model Runner V2 module (`vllm.v1.worker.gpu.model_runner`: GPUModelRunner, init_speculator)."""
+    from vllm.v1.worker.gpu import model_runner
+
+    return model_runner
+
+
+def v2_dflash_speculator_class():
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    return DFlashSpeculator
+
+
+def v2_sampling():
+    """The Model Runner V2 sampling pieces the tree verifier uses (0.26: same names in 0.32)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+    from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+    from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
+    from vllm.v1.worker.gpu.sample.output import SamplerOutput as V2SamplerOutput
+    from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
+
+    import inspect
+
+    extra = {"is_drafting": False} if "is_drafting" in inspect.signature(gumbel_sample).parameters else {}  # 0.32
+
+    def target_gumbel_sample(logits, expanded_idx_mapping, temperature, seeds, pos, use_fp64=False):
+        """[rows] V2's draw per logits row: Gumbel-max keyed by (seed, pos); the argmax at temperature 0."""
+        return gumbel_sample(
+            logits, expanded_idx_mapping, temperature, seeds, pos, apply_temperature=False, use_fp64=use_fp64, **extra
+        )
+
+    return SimpleNamespace(
+        gumbel_sample=target_gumbel_sample,
+        get_num_sampled_and_rejected=get_num_sampled_and_rejected,
+        compute_topk_scores=compute_topk_scores,
+        SamplerOutput=V2SamplerOutput,
+        NO_LOGPROBS=NO_LOGPROBS,
+    )
+
+
+def model_runner_for(method: str):
+    """A context for the benchmarks' method names: "-v1" (`dflash-v1`: vLLM's chain on the V1 model runner, DDTree's
+    default) sets VLLM_USE_V2_MODEL_RUNNER=0, "-v2" (`ddtree-v2`: DDTree on Model Runner V2) sets
+    VLLM_DDTREE_RUNNER=v2; other names change nothing. Engines started inside it (and their engine-core
+    processes) see the setting. The CPU build runs V1 only."""
+    if method.endswith("-v1"):
+        return mock.patch.dict(os.environ, {"VLLM_USE_V2_MODEL_RUNNER": "0"})
+    if method.endswith("-v2"):
+        return mock.patch.dict(os.environ, {RUNNER_ENV: "v2"})
+    return contextlib.nullcontext()
+
+
+def method_without_runner(method: str) -> str:
+    """`dflash-v1` -> `dflash`, `ddtree-B32-v2` -> `ddtree-B32`: the name without its runner suffix."""
+    return method.removesuffix("-v1").removesuffix("-v2")
 
 
 def reserve_drafter_slots_for_tree_depth(tree_depth) -> None:
@@ -242,6 +302,11 @@ __all__ = [
     "pad_dflash_query_buffers",
     "prepare_inputs_outputs",
     "shutdown_llm",
-    "v1_model_runner_for",
+    "method_without_runner",
+    "model_runner_for",
+    "v2_dflash_speculator_class",
+    "v2_model_runner_module",
+    "v2_runner_requested",
+    "v2_sampling",
     "validation_error",
 ]

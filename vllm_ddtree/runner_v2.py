@@ -1,0 +1,180 @@
+"""Hooks that give vLLM's Model Runner V2 (`vllm/v1/worker/gpu/`) DDTree; opt-in with VLLM_DDTREE_RUNNER=v2.
+
+Design: docs/model-runner-v2.md. One decode step, in the order V2 calls the hooks:
+  `init_speculator`        (at __init__) a `DDTreeSpeculator` for DDTree configs
+  `prepare_attn`           after V2 computed the slots from chain positions: the step's tree layout
+                           (`build_tree_step` with the trees kept by request slot), positions = root + depth
+  `model_state.prepare_attn`  ancestor masks attached to the target layers' metadata (FULL graphs: persistent
+                           buffers, attached to the dummy batch at capture)
+  (target forward)
+  `rejection_sampler`      a `TreeVerifier`: choices, walk, KV compaction, positions back to chain order
+  `speculator.propose`     path rows moved to the front, DFlash pass, the next tree
+V2's own `post_update` then does the rollback (num_computed_tokens += num_sampled) on the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_ddtree import config as ddtree_config
+from vllm_ddtree.attention.layers import target_attention_layers, wrap_tree_attention
+from vllm_ddtree.attention.metadata import (
+    PersistentTreeBuffers,
+    TreeAttentionMetadataBuilder,
+    dummy_tree_step,
+    full_cuda_graphs_requested,
+)
+from vllm_ddtree.runner import _hook
+from vllm_ddtree.verify.step import TreeStep, build_tree_step
+
+
+@dataclass
+class DDTreeV2State:
+    budget: int
+    depth: int
+    step: TreeStep | None = None
+    layers: dict = field(default_factory=dict)  # target attention layers by name
+    layer_groups: dict[str, int] = field(default_factory=dict)  # KV cache group of each layer
+    attention: TreeAttentionMetadataBuilder | None = None
+    kv_tables: dict = field(default_factory=dict)  # device address tables of the layers' caches
+    block_tables: object = None  # V2's BlockTables: slot_mappings [num_groups, max_tokens]
+
+    @property
+    def width(self) -> int:
+        return self.budget + 1
+
+    def slot_mappings(self, num_tokens: int) -> dict[int, torch.Tensor]:
+        """This step's slot of every scheduled token per KV cache group (read before the drafter overwrites its
+        group's row)."""
+        table = self.block_tables.slot_mappings
+        return {gid: table[gid, :num_tokens] for gid in range(table.shape[0])}
+
+
+def _is_uniform_verification(input_batch, width: int) -> bool:
+    return input_batch.num_tokens == input_batch.num_reqs * width and int(input_batch.num_scheduled_tokens.max()) == width
+
+
+def install_v2_runner_hooks() -> None:
+    from vllm_ddtree.compat import (
+        disable_full_cuda_graphs,
+        full_cuda_graphs_for_uniform_batches_only,
+        init_logger,
+        v2_model_runner_module,
+    )
+
+    module = v2_model_runner_module()
+    runner_cls = module.GPUModelRunner
+    if getattr(runner_cls, "_ddtree_hooked", False):
+        return
+    runner_cls._ddtree_hooked = True
+    logger = init_logger("vllm_ddtree")
+    original_init_speculator = module.init_speculator
+
+    def init_speculator(vllm_config, device, *args, **kwargs):
+        settings = ddtree_config.settings_of(vllm_config.speculative_config)
+        if settings is None:
+            return original_init_speculator(vllm_config, device, *args, **kwargs)
+        from vllm_ddtree.speculator_v2 import DDTreeSpeculator
+
+        return DDTreeSpeculator(
+            vllm_config, device, budget=settings["budget"], depth=settings["depth"], max_topk=settings["max_topk"]
+        )
+
+    module.init_speculator = init_speculator
+
+    @_hook(runner_cls, "__init__")
+    def __init__(original, self, vllm_config, device, *args, **kwargs):
+        settings = ddtree_config.settings_of(vllm_config.speculative_config)
+        if settings is not None:
+            switch = full_cuda_graphs_for_uniform_batches_only if full_cuda_graphs_requested() else disable_full_cuda_graphs
+            switch(vllm_config.compilation_config, logger)
+        original(self, vllm_config, device, *args, **kwargs)
+        self._ddtree = None
+        if settings is None:
+            return
+        self._ddtree = DDTreeV2State(budget=settings["budget"], depth=settings["depth"])
+        logger.info(
+            "DDTree on Model Runner V2: node budget %d, tree depth %d, max top-k per depth %s",
+            settings["budget"], settings["depth"], settings["max_topk"],
+        )  # fmt: skip
+
+    @_hook(runner_cls, "load_model")
+    def load_model(original, self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        state = self._ddtree
+        if state is not None and getattr(self, "sampler", None) is not None:
+            from vllm_ddtree.verify.verifier_v2 import TreeVerifier
+
+            self.rejection_sampler = TreeVerifier(self.sampler, state, self.speculator)
+            _wrap_model_state_prepare_attn(self.model_state, state, self.device)
+        return result
+
+    @_hook(runner_cls, "initialize_kv_cache")
+    def initialize_kv_cache(original, self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        state = self._ddtree
+        if state is not None:
+            state.layers = target_attention_layers(self.model)
+            for layer in state.layers.values():
+                wrap_tree_attention(layer)
+            state.layer_groups = {
+                name: gid
+                for gid, group in enumerate(self.kv_cache_config.kv_cache_groups)
+                for name in group.layer_names
+            }
+            state.block_tables = self.block_tables
+            mode = self.cudagraph_manager.cudagraph_mode if self.cudagraph_manager is not None else None
+            persistent = None
+            if mode is not None and mode.has_full_cudagraphs():
+                persistent = PersistentTreeBuffers.allocate(self.max_num_reqs, state.width, self.device)
+                logger.info("DDTree: FULL CUDA graphs for uniform tree-verification batches (%s)", mode.name)
+            state.attention = TreeAttentionMetadataBuilder(set(state.layers), persistent)
+        return result
+
+    @_hook(runner_cls, "execute_model")
+    def execute_model(original, self, *args, **kwargs):
+        if self._ddtree is not None:
+            self._ddtree.step = None  # set again by prepare_attn on real steps with drafts
+        return original(self, *args, **kwargs)
+
+    @_hook(runner_cls, "prepare_attn")
+    def prepare_attn(original, self, input_batch):
+        result = original(self, input_batch)  # slots from chain positions: siblings keep distinct slots
+        state = self._ddtree
+        num_drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
+        if state is not None and num_drafts is not None and input_batch.num_draft_tokens > 0:
+            speculator = self.speculator
+            state.step = build_tree_step(
+                num_drafts.tolist(),
+                input_batch.logits_indices,
+                speculator.tree_parents,
+                speculator.tree_depths,
+                input_batch.idx_mapping_np.tolist(),
+                state.width,
+                positions=input_batch.positions,  # tree positions: root + depth
+            )
+        return result
+
+
+def _wrap_model_state_prepare_attn(model_state, state: DDTreeV2State, device: torch.device) -> None:
+    """Attach tree metadata to the target's per-layer metadata: this step's tree at runtime, a chain of B + 1
+    nodes per request when a uniform verification batch is captured in a FULL graph."""
+    original = model_state.prepare_attn
+
+    def prepare_attn(input_batch, *args, for_capture: bool = False, **kwargs):
+        metadata = original(input_batch, *args, for_capture=for_capture, **kwargs)
+        builder = state.attention
+        if builder is None or metadata is None:
+            return metadata
+        if state.step is not None and not for_capture:
+            builder.attach(state.step, metadata)
+        elif for_capture and builder.persistent is not None and _is_uniform_verification(input_batch, state.width):
+            builder.attach(dummy_tree_step(input_batch.num_reqs, state.width, device), metadata)
+        return metadata
+
+    model_state.prepare_attn = prepare_attn
+
+
+__all__ = ["DDTreeV2State", "install_v2_runner_hooks"]

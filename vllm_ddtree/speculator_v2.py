@@ -1,0 +1,101 @@
+"""DDTree's drafter on vLLM's Model Runner V2: its DFlash speculator, drafting D = depth positions, turned into a tree.
+
+The DFlash pass runs exactly as V2 runs it (inputs kernel, context K/V, the query forward in its FULL CUDA graph).
+Two things change:
+- inside the captured graph, `sample_draft` keeps each position's top-K tokens and their float32 log-probs in
+  persistent buffers (the chain's argmax is their first column);
+- after the pass, one launch builds the best-`budget` tree per request from them (`tree_from_top_tokens`). Its
+  parents and depths are kept by request slot (`req_state_idx`, V2's per-request state index), for the step
+  that verifies it; `propose` returns its B node tokens, which V2 stores as the request's draft tokens.
+
+Before the pass the accepted path's context rows move to the front of each request (`accepted_path_moves`, set
+by the verifier), so DFlash's own "first num_sampled rows are the new context" rule reads root + path.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from vllm_ddtree.compat import v2_dflash_speculator_class
+from vllm_ddtree.tree.build import top_tokens, topk_per_depth, tree_from_top_tokens
+
+DFlashSpeculator = v2_dflash_speculator_class()
+
+
+def _config_drafting(vllm_config, num_tokens: int):
+    """A shallow copy of vLLM's config whose speculative config drafts `num_tokens` positions per pass."""
+    spec = copy.copy(vllm_config.speculative_config)
+    spec.num_speculative_tokens = num_tokens
+    config = copy.copy(vllm_config)
+    config.speculative_config = spec
+    return config
+
+
+class DDTreeSpeculator(DFlashSpeculator):
+    def __init__(self, vllm_config, device: torch.device, budget: int, depth: int, max_topk: int | None):
+        super().__init__(_config_drafting(vllm_config, depth), device)
+        self.draft_logits = None  # the tree verifier needs no draft distributions
+        self.budget = budget
+        self.depth = depth
+        vocab = self.vocab_size
+        self.topk = topk_per_depth(vocab, max_topk, budget)
+        rows = self.max_num_reqs * depth
+        # Filled inside the drafter's CUDA graph: [max_reqs * D, K], request-major.
+        self.top_token_ids = torch.zeros((rows, self.topk), dtype=torch.int64, device=device)
+        self.top_log_probs = torch.zeros((rows, self.topk), dtype=torch.float32, device=device)
+        # The last tree proposed for each request slot; a chain until then (any tree verifies losslessly).
+        width = budget + 1
+        chain = torch.arange(width, dtype=torch.int64, device=device)
+        self.tree_parents = (chain - 1).repeat(self.max_num_reqs, 1)  # [max_reqs, B + 1]
+        self.tree_depths = chain.repeat(self.max_num_reqs, 1)  # [max_reqs, B + 1]
+        # (src, dst) token moves of this step's accepted paths, set by the verifier.
+        self.accepted_path_moves: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def load_model(self, target_model) -> None:
+        super().load_model(target_model)
+        combine = self.model.combine_hidden_states
+
+        def combine_then_move_paths(hidden_states: torch.Tensor) -> torch.Tensor:
+            combined = combine(hidden_states)  # [num_tokens, hidden]
+            self._move_accepted_paths_(combined)
+            return combined
+
+        self.model.combine_hidden_states = combine_then_move_paths
+
+    def _move_accepted_paths_(self, context: torch.Tensor) -> None:
+        moves, self.accepted_path_moves = self.accepted_path_moves, None
+        if moves is not None:
+            src, dst = moves
+            context[dst] = context[src]
+
+    def sample_draft(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """Per drafted position: keep its top-K tokens and log-probs; return the argmax (runs in the graph)."""
+        logits = self.model.compute_logits(hidden_states)  # [n, V], n = num_reqs_padded * D
+        token_ids, log_probs = top_tokens(logits, self.topk)  # [n, K]
+        n = logits.shape[0]
+        self.top_token_ids[:n].copy_(token_ids)
+        self.top_log_probs[:n].copy_(log_probs)
+        return token_ids[:, 0]
+
+    @torch.inference_mode()
+    def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
+                num_sampled, num_rejected, last_sampled, *args, **kwargs) -> torch.Tensor:  # fmt: skip
+        if not aux_hidden_states:  # DFlash reads the last hidden states themselves
+            self._move_accepted_paths_(last_hidden_states)
+        super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
+                        num_sampled, num_rejected, last_sampled, *args, **kwargs)  # fmt: skip
+        self.accepted_path_moves = None
+        num_reqs, depth = input_batch.num_reqs, self.depth
+        rows = num_reqs * depth
+        slots = input_batch.idx_mapping.to(torch.int64)  # [R] request slots
+        tree = tree_from_top_tokens(
+            self.top_token_ids[:rows].view(num_reqs, depth, -1),
+            self.top_log_probs[:rows].view(num_reqs, depth, -1),
+            last_sampled.view(-1)[slots],  # [max_reqs, 1] in 0.26
+            self.budget,
+        )
+        self.tree_parents[slots] = tree.parents
+        self.tree_depths[slots] = tree.depths
+        return tree.token_ids[:, 1:]  # [R, B]

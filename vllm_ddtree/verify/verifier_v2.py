@@ -1,0 +1,83 @@
+"""DDTree's scorer on vLLM's Model Runner V2, in place of V2's `RejectionSampler` (same call, same output).
+
+Per tree node the target's choice is V2's own: its sampling parameters (`Sampler.apply_sampling_params`), then a
+Gumbel-max draw keyed by the request's seed and the node's position (root + depth, the position plain decoding
+gives that token), which is the argmax at temperature 0. The walk follows the choices from the root; every
+accepted token is therefore the one plain V2 decoding would have produced with the same seed. Then the accepted
+path's KV moves behind the root, positions go back to chain order and V2's output contract is met:
+`sampled_token_ids` [R, B + 1] (path tokens, then the bonus token), `num_sampled` and `num_rejected` [R], with
+V2's own rule for chunked prefills, and logprobs rows in V2's `cu_num_logits` layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_ddtree.kv.compact import compact_accepted_kv_
+from vllm_ddtree.verify.scorer import node_tokens, walk_and_moves_
+
+
+class TreeVerifier:
+    def __init__(self, sampler, state, speculator):
+        self.sampler = sampler
+        self.state = state  # runner_v2.DDTreeV2State: this step's TreeStep, target layers, slot mappings
+        self.speculator = speculator  # receives the accepted-path moves
+
+    def __call__(self, logits: torch.Tensor, input_batch, draft_logits=None, *args, **kwargs):
+        from vllm_ddtree.compat import v2_sampling
+
+        v2 = v2_sampling()
+        state, sampler = self.state, self.sampler
+        step = state.step
+        assert step is not None, "DDTree verification without a tree layout (runner_v2.prepare_attn)"
+        rows = input_batch.logits_indices
+        pos = input_batch.positions[rows]  # [rows] tree positions: root + depth
+        processed = sampler.apply_sampling_params(
+            logits, input_batch.expanded_idx_mapping, input_batch.idx_mapping_np, pos, input_batch.input_ids[rows],
+            input_batch.expanded_local_pos,
+        )  # fmt: skip
+        choices = v2.gumbel_sample(
+            processed, input_batch.expanded_idx_mapping, sampler.sampling_states.temperature.gpu,
+            sampler.sampling_states.seeds.gpu, pos, use_fp64=sampler.use_fp64_gumbel,
+        )  # fmt: skip
+        tokens = node_tokens(step, input_batch.input_ids)  # [R, N]
+        walk, moves, output = walk_and_moves_(step, choices, tokens, state.depth, input_batch.positions)
+        num_reqs = step.parents.shape[0]
+        compact_accepted_kv_(
+            state.layers, *moves, state.slot_mappings(input_batch.num_tokens), state.layer_groups,
+            num_reqs=num_reqs, tables=state.kv_tables,
+        )  # fmt: skip
+        self.speculator.accepted_path_moves = moves
+        num_sampled = (walk.num_accepted + 1).to(torch.int32)
+        num_sampled, num_rejected = v2.get_num_sampled_and_rejected(
+            num_sampled, input_batch.seq_lens, input_batch.cu_num_logits, input_batch.idx_mapping,
+            sampler.req_states.prefill_len.gpu,
+        )  # fmt: skip
+        logprobs = self._logprobs(v2, logits, processed, input_batch, step, walk, output)
+        return v2.SamplerOutput(
+            sampled_token_ids=output, logprobs_tensors=logprobs, num_nans=None, num_sampled=num_sampled,
+            num_rejected=num_rejected,
+        )  # fmt: skip
+
+    def _logprobs(self, v2, logits, processed, input_batch, step, walk, output):
+        """V2's logprobs for the output tokens: request r's j-th output token (the target's choice at path node
+        j) takes logits row cu_num_logits[r] + j, as V2's rejection sampler lays them out."""
+        max_num_logprobs = self.sampler.sampling_states.max_num_logprobs(input_batch.idx_mapping_np)
+        if max_num_logprobs == v2.NO_LOGPROBS:
+            return None
+        mode = self.sampler.logprobs_mode
+        source = processed if mode in ("processed_logprobs", "processed_logits") else logits
+        num_rows, width = logits.shape[0], output.shape[1]
+        req = torch.repeat_interleave(
+            torch.arange(step.num_nodes.shape[0], device=logits.device), step.num_nodes, output_size=num_rows
+        )  # [rows] request of each row
+        local = input_batch.expanded_local_pos.to(torch.int64)  # [rows] row index within its request
+        path = walk.path_nodes  # [R, D + 1], -1 past the path
+        node = path[req, local.clamp(max=path.shape[1] - 1)]  # [rows]
+        on_path = (local < path.shape[1]) & (node >= 0)
+        path_rows = torch.where(on_path, step.node_rows[req, node.clamp(min=0)], torch.arange(num_rows, device=logits.device))
+        sampled = output.to(torch.int64)[req, local.clamp(max=width - 1)].clamp(min=0)  # [rows]
+        return v2.compute_topk_scores(
+            source[path_rows], max(max_num_logprobs, 0), sampled, input_batch.cu_num_logits_np.tolist(),
+            logits_mode=mode in ("raw_logits", "processed_logits"),
+        )  # fmt: skip
