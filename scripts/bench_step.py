@@ -202,9 +202,9 @@ def run_method(method: str, target: str, drafter: str, args) -> list[dict]:
     for batch in args.batches:
         row = measure(llm, method, batch, args.prompt_len, args.steps, args.repeats, vocab)
         row["engine_init_s"] = init_s
-        if method == "ddtree":  # the per-phase timer is the V1 runner's (runner.py)
+        if method in ("ddtree", "ddtree-v2"):  # per-phase timer (profiling.py)
             row["profile"] = profile_pass(llm, batch, args.prompt_len, args.steps, Path(args.out).with_suffix(
-                f".profile{batch}.json"))  # fmt: skip
+                f".{method}.profile{batch}.json"))  # fmt: skip
         if args.torch_profile:
             torch_profile(llm, batch, args.prompt_len, min(args.steps, 16), vocab,
                           Path(args.out).with_suffix(f".{method}.torch{batch}.txt"))
@@ -237,7 +237,7 @@ def print_table(rows: list[dict]) -> None:
         for kind in ("gpu_ms", "host_ms"):
             if prof.get(kind):
                 phases = ", ".join(f"{k} {v:.3f}" for k, v in prof[kind].items())
-                print(f"ddtree batch {r['batch']} {kind} per phase: {phases}")
+                print(f"{r['method']} batch {r['batch']} {kind} per phase: {phases}")
 
 
 def argv_with_methods(argv: list[str], method: str) -> list[str]:

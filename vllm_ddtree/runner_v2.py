@@ -40,6 +40,7 @@ class DDTreeV2State:
     attention: TreeAttentionMetadataBuilder | None = None
     kv_tables: dict = field(default_factory=dict)  # device address tables of the layers' caches
     block_tables: object = None  # V2's BlockTables: slot_mappings [num_groups, max_tokens]
+    timer: object = None  # profiling.StepTimer when VLLM_DDTREE_PROFILE is set, else a no-op
 
     @property
     def width(self) -> int:
@@ -94,7 +95,12 @@ def install_v2_runner_hooks() -> None:
         self._ddtree = None
         if settings is None:
             return
+        from vllm_ddtree.profiling import step_timer
+
         self._ddtree = DDTreeV2State(budget=settings["budget"], depth=settings["depth"])
+        self._ddtree.timer = step_timer(self.device)
+        if self.speculator is not None:  # None on pipeline stages before the last
+            self.speculator.timer = self._ddtree.timer
         logger.info(
             "DDTree on Model Runner V2: node budget %d, tree depth %d, max top-k per depth %s",
             settings["budget"], settings["depth"], settings["max_topk"],
@@ -135,16 +141,25 @@ def install_v2_runner_hooks() -> None:
 
     @_hook(runner_cls, "execute_model")
     def execute_model(original, self, *args, **kwargs):
-        if self._ddtree is not None:
-            self._ddtree.step = None  # set again by prepare_attn on real steps with drafts
+        state = self._ddtree
+        if state is not None:
+            state.step = None  # set again by prepare_attn on real steps with drafts
+            state.timer.end_step()
+            state.timer.mark("start")
         return original(self, *args, **kwargs)
 
     @_hook(runner_cls, "prepare_attn")
     def prepare_attn(original, self, input_batch):
-        result = original(self, input_batch)  # slots from chain positions: siblings keep distinct slots
         state = self._ddtree
+        if state is None:
+            return original(self, input_batch)
+        state.timer.mark("vllm_prepare_inputs")
+        result = original(self, input_batch)  # slots from chain positions: siblings keep distinct slots
+        state.timer.mark("vllm_slots")
         num_drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
-        if state is not None and num_drafts is not None and input_batch.num_draft_tokens > 0:
+        if num_drafts is None or input_batch.num_draft_tokens == 0:
+            state.timer.skip_step()  # no verification: not a decode step of the profile
+        else:
             speculator = self.speculator
             state.step = build_tree_step(
                 num_drafts.tolist(),
@@ -155,6 +170,7 @@ def install_v2_runner_hooks() -> None:
                 state.width,
                 positions=input_batch.positions,  # tree positions: root + depth
             )
+            state.timer.mark("tree_layout")
         return result
 
 
@@ -169,7 +185,9 @@ def _wrap_model_state_prepare_attn(model_state, state: DDTreeV2State, device: to
         if builder is None or metadata is None:
             return metadata
         if state.step is not None and not for_capture:
+            state.timer.mark("vllm_attention_metadata")
             builder.attach(state.step, metadata)
+            state.timer.mark("tree_attention_metadata")
         elif for_capture and builder.persistent is not None and _is_uniform_verification(input_batch, state.width):
             builder.attach(dummy_tree_step(input_batch.num_reqs, state.width, device), metadata)
         return metadata

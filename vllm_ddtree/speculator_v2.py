@@ -19,9 +19,11 @@ import copy
 import torch
 
 from vllm_ddtree.compat import v2_dflash_speculator_class
+from vllm_ddtree.profiling import step_timer
 from vllm_ddtree.tree.build import top_tokens, topk_per_depth, tree_from_top_tokens
 
 DFlashSpeculator = v2_dflash_speculator_class()
+_NO_TIMER = step_timer(torch.device("cpu"))  # a no-op until the runner sets its own
 
 
 def _config_drafting(vllm_config, num_tokens: int):
@@ -52,6 +54,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.tree_depths = chain.repeat(self.max_num_reqs, 1)  # [max_reqs, B + 1]
         # (src, dst) token moves of this step's accepted paths, set by the verifier.
         self.accepted_path_moves: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.timer = _NO_TIMER  # the runner's profiling.StepTimer (runner_v2)
 
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
@@ -82,11 +85,13 @@ class DDTreeSpeculator(DFlashSpeculator):
     @torch.inference_mode()
     def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
                 num_sampled, num_rejected, last_sampled, *args, **kwargs) -> torch.Tensor:  # fmt: skip
+        self.timer.mark("vllm_sampler_output")  # V2's output copy and post_update
         if not aux_hidden_states:  # DFlash reads the last hidden states themselves
             self._move_accepted_paths_(last_hidden_states)
         super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
                         num_sampled, num_rejected, last_sampled, *args, **kwargs)  # fmt: skip
         self.accepted_path_moves = None
+        self.timer.mark("draft")
         num_reqs, depth = input_batch.num_reqs, self.depth
         rows = num_reqs * depth
         slots = input_batch.idx_mapping.to(torch.int64)  # [R] request slots
@@ -98,4 +103,5 @@ class DDTreeSpeculator(DFlashSpeculator):
         )
         self.tree_parents[slots] = tree.parents
         self.tree_depths[slots] = tree.depths
+        self.timer.mark("tree_build")
         return tree.token_ids[:, 1:]  # [R, B]

@@ -51,6 +51,23 @@ def device_kwargs() -> dict:
     return dict(kwargs, enforce_eager=False, compilation_config=compilation)
 
 
+def same_runner_for_every_engine():
+    """On CUDA, every engine of a test process (the plain-vLLM baseline too) starts on the model runner DDTree
+    uses: V1 unless VLLM_DDTREE_RUNNER=v2. vLLM 0.26 does not take both runners' CUDA graphs in one process: a V2
+    capture after a V1 engine was refused (session 14), and a V1 capture after a V2 engine hit a CUDA caching
+    allocator assert (`use_count > 0`, session 15, the float32 identity test with full graphs)."""
+    import contextlib
+    from unittest import mock
+
+    import torch
+
+    from vllm_ddtree.compat import v2_runner_requested
+
+    if not torch.cuda.is_available() or v2_runner_requested():
+        return contextlib.nullcontext()
+    return mock.patch.dict(os.environ, {"VLLM_USE_V2_MODEL_RUNNER": "0"})
+
+
 def make_llm(target: str, spec: dict | None, **engine_kwargs):
     from vllm import LLM
 
@@ -66,7 +83,8 @@ def make_llm(target: str, spec: dict | None, **engine_kwargs):
     )
     kwargs.update(device_kwargs())
     kwargs.update(engine_kwargs)
-    return LLM(speculative_config=spec, **kwargs)
+    with same_runner_for_every_engine():
+        return LLM(speculative_config=spec, **kwargs)
 
 
 def generate(llm, prompts: list[list[int]], sampling_params) -> RunResult:

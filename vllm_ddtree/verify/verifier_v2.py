@@ -30,6 +30,7 @@ class TreeVerifier:
         state, sampler = self.state, self.sampler
         step = state.step
         assert step is not None, "DDTree verification without a tree layout (runner_v2.prepare_attn)"
+        state.timer.mark("verify_forward")  # the target forward and its logits
         rows = input_batch.logits_indices
         pos = input_batch.positions[rows]  # [rows] tree positions: root + depth
         processed = sampler.apply_sampling_params(
@@ -40,13 +41,16 @@ class TreeVerifier:
             processed, input_batch.expanded_idx_mapping, sampler.sampling_states.temperature.gpu,
             sampler.sampling_states.seeds.gpu, pos, use_fp64=sampler.use_fp64_gumbel,
         )  # fmt: skip
+        state.timer.mark("target_choices")
         tokens = node_tokens(step, input_batch.input_ids)  # [R, N]
         walk, moves, output = walk_and_moves_(step, choices, tokens, state.depth, input_batch.positions)
+        state.timer.mark("walk")
         num_reqs = step.parents.shape[0]
         compact_accepted_kv_(
             state.layers, *moves, state.slot_mappings(input_batch.num_tokens), state.layer_groups,
             num_reqs=num_reqs, tables=state.kv_tables,
         )  # fmt: skip
+        state.timer.mark("kv_compaction")
         self.speculator.accepted_path_moves = moves
         num_sampled = (walk.num_accepted + 1).to(torch.int32)
         num_sampled, num_rejected = v2.get_num_sampled_and_rejected(
@@ -54,6 +58,7 @@ class TreeVerifier:
             sampler.req_states.prefill_len.gpu,
         )  # fmt: skip
         logprobs = self._logprobs(v2, logits, processed, input_batch, step, walk, output)
+        state.timer.mark("verifier_output")
         return v2.SamplerOutput(
             sampled_token_ids=output, logprobs_tensors=logprobs, num_nans=None, num_sampled=num_sampled,
             num_rejected=num_rejected,
