@@ -45,6 +45,9 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 VLLM_VERSION = vllm.__version__
+# Under vLLM's "vllm" logger, so the plugin's messages go through vLLM's handler and format (a top-level
+# "vllm_ddtree" logger had no handler: its INFO lines, e.g. the runner choice, were never shown).
+LOGGER_NAME = "vllm.ddtree"
 # vLLM pads rejected positions of `SamplerOutput.sampled_token_ids` with this id.
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -287,6 +290,7 @@ __all__ = [
     "DFlashProposer",
     "EngineArgs",
     "GPUModelRunner",
+    "LOGGER_NAME",
     "LogprobsTensors",
     "PLACEHOLDER_TOKEN_ID",
     "SamplerOutput",

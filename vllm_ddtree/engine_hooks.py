@@ -19,13 +19,14 @@ def tree_depth(speculative_config) -> int | None:
 
 def install_config_hook() -> None:
     from vllm_ddtree.compat import (
+        LOGGER_NAME,
         EngineArgs,
         choose_v1_model_runner,
         init_logger,
         reserve_drafter_slots_for_tree_depth,
     )
 
-    choose_v1_model_runner(is_ddtree, init_logger("vllm_ddtree"))
+    choose_v1_model_runner(is_ddtree, init_logger(LOGGER_NAME))
     reserve_drafter_slots_for_tree_depth(tree_depth)
     original = EngineArgs.create_speculative_config
     if getattr(original, "_ddtree_hook", False):

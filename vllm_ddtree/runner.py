@@ -105,6 +105,7 @@ def _hook(cls, name: str):
 
 def install_runner_hooks() -> None:
     from vllm_ddtree.compat import (
+        LOGGER_NAME,
         GPUModelRunner,
         SamplerOutput,
         disable_full_cuda_graphs,
@@ -116,7 +117,7 @@ def install_runner_hooks() -> None:
     if getattr(GPUModelRunner, "_ddtree_hooked", False):
         return
     GPUModelRunner._ddtree_hooked = True
-    logger = init_logger("vllm_ddtree")
+    logger = init_logger(LOGGER_NAME)
 
     @_hook(GPUModelRunner, "__init__")
     def __init__(original, self, vllm_config, device, *args, **kwargs):

@@ -59,6 +59,7 @@ def _is_uniform_verification(input_batch, width: int) -> bool:
 
 def install_v2_runner_hooks() -> None:
     from vllm_ddtree.compat import (
+        LOGGER_NAME,
         disable_full_cuda_graphs,
         full_cuda_graphs_for_uniform_batches_only,
         init_logger,
@@ -70,7 +71,7 @@ def install_v2_runner_hooks() -> None:
     if getattr(runner_cls, "_ddtree_hooked", False):
         return
     runner_cls._ddtree_hooked = True
-    logger = init_logger("vllm_ddtree")
+    logger = init_logger(LOGGER_NAME)
     original_init_speculator = module.init_speculator
 
     def init_speculator(vllm_config, device, *args, **kwargs):
