@@ -72,6 +72,18 @@ class DDTreeConfig:
         return depth if self.max_depth is None else min(depth, self.max_depth)
 
 
+def drafting_config(vllm_config, num_tokens: int):
+    """A shallow copy of vLLM's config whose speculative config drafts `num_tokens` positions per pass: the DFlash
+    drafter of a DDTree config queries D = depth positions, while vLLM's own config schedules B drafts."""
+    import copy
+
+    spec = copy.copy(vllm_config.speculative_config)
+    spec.num_speculative_tokens = num_tokens
+    config = copy.copy(vllm_config)
+    config.speculative_config = spec
+    return config
+
+
 def _positive_int(key: str, value: Any, upper: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"speculative_config[{key!r}] must be a positive integer, got {value!r}.")

@@ -10,26 +10,16 @@ verification.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from vllm_ddtree.compat import DFlashProposer, pad_dflash_query_buffers
+from vllm_ddtree.config import drafting_config
 from vllm_ddtree.tree import DraftTree, build_draft_tree
-
-
-def _config_with_num_speculative_tokens(vllm_config, num_tokens: int):
-    """A shallow copy of vLLM's config whose speculative config drafts `num_tokens` positions per pass."""
-    spec = copy.copy(vllm_config.speculative_config)
-    spec.num_speculative_tokens = num_tokens
-    config = copy.copy(vllm_config)
-    config.speculative_config = spec
-    return config
 
 
 class DDTreeProposer(DFlashProposer):
     def __init__(self, vllm_config, device: torch.device, runner, budget: int, depth: int, max_topk: int | None):
-        super().__init__(_config_with_num_speculative_tokens(vllm_config, depth), device, runner)
+        super().__init__(drafting_config(vllm_config, depth), device, runner)
         pad_dflash_query_buffers(self, vllm_config)
         self.budget = budget
         self.depth = depth

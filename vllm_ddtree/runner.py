@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_ddtree import config as ddtree_config
-from vllm_ddtree.attention.layers import target_attention_layers, wrap_tree_attention
+from vllm_ddtree.attention.layers import wrap_target_layers
 from vllm_ddtree.attention.metadata import ATTRIBUTE as TREE_METADATA
 from vllm_ddtree.attention.metadata import (
-    PersistentTreeBuffers,
     TreeAttentionMetadataBuilder,
     dummy_tree_step,
     full_cuda_graphs_requested,
+    tree_attention_builder,
 )
 from vllm_ddtree.kv.compact import compact_accepted_kv_, slot_mapping_of
 from vllm_ddtree.tree import WalkResult
@@ -87,7 +87,7 @@ def _concat(parts: list[torch.Tensor]) -> torch.Tensor | None:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _hook(cls, name: str):
+def hook(cls, name: str):
     """Decorator: replace `cls.name` by the decorated function, which receives the original first."""
 
     def decorate(fn):
@@ -119,7 +119,7 @@ def install_runner_hooks() -> None:
     GPUModelRunner._ddtree_hooked = True
     logger = init_logger(LOGGER_NAME)
 
-    @_hook(GPUModelRunner, "__init__")
+    @hook(GPUModelRunner, "__init__")
     def __init__(original, self, vllm_config, device, *args, **kwargs):
         spec = vllm_config.speculative_config
         settings = ddtree_config.settings_of(spec)
@@ -154,28 +154,18 @@ def install_runner_hooks() -> None:
             settings["max_topk"],
         )
 
-    @_hook(GPUModelRunner, "initialize_kv_cache")
+    @hook(GPUModelRunner, "initialize_kv_cache")
     def initialize_kv_cache(original, self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         state = self._ddtree
         if state is not None:
-            state.layers = target_attention_layers(self.get_model())
-            for layer in state.layers.values():
-                wrap_tree_attention(layer)
-            state.layer_groups = {
-                name: gid
-                for gid, group in enumerate(self.kv_cache_config.kv_cache_groups)
-                for name in group.layer_names
-            }
-            mode = self.compilation_config.cudagraph_mode
-            persistent = None
-            if mode is not None and mode.has_full_cudagraphs():  # left so by __init__ unless opted out
-                persistent = PersistentTreeBuffers.allocate(self.max_num_reqs, state.width, self.device)
-                logger.info("DDTree: FULL CUDA graphs for uniform tree-verification batches (%s)", mode.name)
-            state.attention = TreeAttentionMetadataBuilder(set(state.layers), persistent)
+            state.layers, state.layer_groups = wrap_target_layers(self.get_model(), self.kv_cache_config)
+            state.attention = tree_attention_builder(
+                state.layers, self.compilation_config.cudagraph_mode, self.max_num_reqs, state.width, self.device, logger
+            )
         return result
 
-    @_hook(GPUModelRunner, "_prepare_inputs")
+    @hook(GPUModelRunner, "_prepare_inputs")
     def _prepare_inputs(original, self, scheduler_output, num_scheduled_tokens):
         state = self._ddtree
         if state is None:
@@ -202,7 +192,7 @@ def install_runner_hooks() -> None:
         state.timer.mark("tree_layout")
         return result
 
-    @_hook(GPUModelRunner, "_build_attention_metadata")
+    @hook(GPUModelRunner, "_build_attention_metadata")
     def _build_attention_metadata(original, self, *args, **kwargs):
         state = self._ddtree
         if state is not None:
@@ -220,7 +210,7 @@ def install_runner_hooks() -> None:
                 state.attention.attach(dummy_tree_step(num_reqs, state.width, self.device), result[0])
         return result
 
-    @_hook(GPUModelRunner, "_sample")
+    @hook(GPUModelRunner, "_sample")
     def _sample(original, self, logits, spec_decode_metadata):
         state = self._ddtree
         if state is None or spec_decode_metadata is None or state.step is None:
@@ -258,7 +248,7 @@ def install_runner_hooks() -> None:
             logprobs = LogprobsTensors(*fields)
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
 
-    @_hook(GPUModelRunner, "propose_draft_token_ids")
+    @hook(GPUModelRunner, "propose_draft_token_ids")
     def propose_draft_token_ids(
         original,
         self,

@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_ddtree import config as ddtree_config
-from vllm_ddtree.attention.layers import target_attention_layers, wrap_tree_attention
+from vllm_ddtree.attention.layers import wrap_target_layers
 from vllm_ddtree.attention.metadata import (
-    PersistentTreeBuffers,
     TreeAttentionMetadataBuilder,
     dummy_tree_step,
     full_cuda_graphs_requested,
+    tree_attention_builder,
 )
-from vllm_ddtree.runner import _hook
+from vllm_ddtree.runner import hook
 from vllm_ddtree.verify.step import TreeStep, build_tree_step
 
 
@@ -86,7 +86,7 @@ def install_v2_runner_hooks() -> None:
 
     module.init_speculator = init_speculator
 
-    @_hook(runner_cls, "__init__")
+    @hook(runner_cls, "__init__")
     def __init__(original, self, vllm_config, device, *args, **kwargs):
         settings = ddtree_config.settings_of(vllm_config.speculative_config)
         if settings is not None:
@@ -107,7 +107,7 @@ def install_v2_runner_hooks() -> None:
             settings["budget"], settings["depth"], settings["max_topk"],
         )  # fmt: skip
 
-    @_hook(runner_cls, "load_model")
+    @hook(runner_cls, "load_model")
     def load_model(original, self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         state = self._ddtree
@@ -118,29 +118,20 @@ def install_v2_runner_hooks() -> None:
             _wrap_model_state_prepare_attn(self.model_state, state, self.device)
         return result
 
-    @_hook(runner_cls, "initialize_kv_cache")
+    @hook(runner_cls, "initialize_kv_cache")
     def initialize_kv_cache(original, self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         state = self._ddtree
         if state is not None:
-            state.layers = target_attention_layers(self.model)
-            for layer in state.layers.values():
-                wrap_tree_attention(layer)
-            state.layer_groups = {
-                name: gid
-                for gid, group in enumerate(self.kv_cache_config.kv_cache_groups)
-                for name in group.layer_names
-            }
+            state.layers, state.layer_groups = wrap_target_layers(self.model, self.kv_cache_config)
             state.block_tables = self.block_tables
             mode = self.cudagraph_manager.cudagraph_mode if self.cudagraph_manager is not None else None
-            persistent = None
-            if mode is not None and mode.has_full_cudagraphs():
-                persistent = PersistentTreeBuffers.allocate(self.max_num_reqs, state.width, self.device)
-                logger.info("DDTree: FULL CUDA graphs for uniform tree-verification batches (%s)", mode.name)
-            state.attention = TreeAttentionMetadataBuilder(set(state.layers), persistent)
+            state.attention = tree_attention_builder(
+                state.layers, mode, self.max_num_reqs, state.width, self.device, logger
+            )
         return result
 
-    @_hook(runner_cls, "execute_model")
+    @hook(runner_cls, "execute_model")
     def execute_model(original, self, *args, **kwargs):
         state = self._ddtree
         if state is not None:
@@ -149,7 +140,7 @@ def install_v2_runner_hooks() -> None:
             state.timer.mark("start")
         return original(self, *args, **kwargs)
 
-    @_hook(runner_cls, "prepare_attn")
+    @hook(runner_cls, "prepare_attn")
     def prepare_attn(original, self, input_batch):
         state = self._ddtree
         if state is None:

@@ -14,11 +14,10 @@ by the verifier), so DFlash's own "first num_sampled rows are the new context" r
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from vllm_ddtree.compat import v2_dflash_speculator_class
+from vllm_ddtree.config import drafting_config
 from vllm_ddtree.profiling import step_timer
 from vllm_ddtree.tree.build import top_tokens, topk_per_depth, tree_from_top_tokens
 
@@ -26,18 +25,9 @@ DFlashSpeculator = v2_dflash_speculator_class()
 _NO_TIMER = step_timer(torch.device("cpu"))  # a no-op until the runner sets its own
 
 
-def _config_drafting(vllm_config, num_tokens: int):
-    """A shallow copy of vLLM's config whose speculative config drafts `num_tokens` positions per pass."""
-    spec = copy.copy(vllm_config.speculative_config)
-    spec.num_speculative_tokens = num_tokens
-    config = copy.copy(vllm_config)
-    config.speculative_config = spec
-    return config
-
-
 class DDTreeSpeculator(DFlashSpeculator):
     def __init__(self, vllm_config, device: torch.device, budget: int, depth: int, max_topk: int | None):
-        super().__init__(_config_drafting(vllm_config, depth), device)
+        super().__init__(drafting_config(vllm_config, depth), device)
         self.draft_logits = None  # the tree verifier needs no draft distributions
         self.budget = budget
         self.depth = depth

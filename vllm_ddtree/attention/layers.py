@@ -21,6 +21,16 @@ def target_attention_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module
     return layers
 
 
+def wrap_target_layers(model: torch.nn.Module, kv_cache_config) -> tuple[dict[str, torch.nn.Module], dict[str, int]]:
+    """The target's attention layers, wrapped for tree verification (`wrap_tree_attention`), and the KV cache group
+    of every layer of vLLM's `kv_cache_config` (the index of its slot mapping)."""
+    layers = target_attention_layers(model)
+    for layer in layers.values():
+        wrap_tree_attention(layer)
+    groups = {name: gid for gid, group in enumerate(kv_cache_config.kv_cache_groups) for name in group.layer_names}
+    return layers, groups
+
+
 def check_layer_supported(layer: torch.nn.Module) -> None:
     impl = layer.impl
     problems = {

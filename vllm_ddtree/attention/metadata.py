@@ -56,6 +56,16 @@ def dummy_tree_step(num_reqs: int, width: int, device: torch.device) -> TreeStep
     return build_tree_step([width - 1] * num_reqs, logits_indices, None, None, [-1] * num_reqs, width)
 
 
+def tree_attention_builder(layer_names, cudagraph_mode, max_reqs: int, width: int, device, logger):
+    """The step's metadata builder; with FULL CUDA graphs (left so by the runner hooks unless opted out) it writes
+    the tree inputs into persistent buffers, the addresses the graphs were captured with."""
+    persistent = None
+    if cudagraph_mode is not None and cudagraph_mode.has_full_cudagraphs():
+        persistent = PersistentTreeBuffers.allocate(max_reqs, width, device)
+        logger.info("DDTree: FULL CUDA graphs for uniform tree-verification batches (%s)", cudagraph_mode.name)
+    return TreeAttentionMetadataBuilder(set(layer_names), persistent)
+
+
 @dataclass
 class TreeAttentionMetadata:
     tree_reqs: torch.Tensor  # [T] int64, batch index of each request with draft nodes
