@@ -18,25 +18,9 @@ def unsupported_reason(params) -> tuple[str, str] | None:
         return "min_tokens", f"min_tokens={params.min_tokens} is not supported with DDTree yet; use min_tokens=0"
     if getattr(params, "logprob_token_ids", None) is not None:
         return "logprob_token_ids", f"logprob_token_ids is not supported with DDTree yet; use logprobs; {_HOW}"
-    if _penalized(params):
-        from vllm_ddtree.compat import v2_runner_requested
-
-        if v2_runner_requested():
-            return "repetition_penalty", (
-                "repetition, frequency and presence penalties are not supported with DDTree on Model Runner V2 "
-                "(VLLM_DDTREE_RUNNER=v2) yet; unset VLLM_DDTREE_RUNNER to use the V1 runner, which supports them"
-            )
     if getattr(params, "thinking_token_budget", None) is not None:
         return "thinking_token_budget", f"thinking_token_budget is not supported with DDTree yet; {_HOW}"
     return None
-
-
-def _penalized(params) -> bool:
-    return (
-        getattr(params, "repetition_penalty", 1.0) != 1.0
-        or getattr(params, "frequency_penalty", 0.0) != 0.0
-        or getattr(params, "presence_penalty", 0.0) != 0.0
-    )
 
 
 def install_request_hook() -> None:

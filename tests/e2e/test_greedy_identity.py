@@ -63,3 +63,22 @@ def test_greedy_identical_to_no_speculation(models, baseline, greedy_params, blo
     result = run(target, spec, prompts(), greedy_params)
     assert result.token_ids == baseline.token_ids
     check_spec_metrics(result, budget, depth=block_size - 1)
+
+
+PENALTIES = dict(repetition_penalty=1.3, frequency_penalty=0.3, presence_penalty=0.2)
+
+
+def test_greedy_with_penalties_identical_to_no_speculation(models, baseline):
+    """Greedy decoding with repetition, frequency and presence penalties is deterministic, so DDTree's tokens must
+    equal plain vLLM's: each tree node's penalties count the tokens on its own path (V1: `sampling.py`; Model
+    Runner V2: `penalties_v2.py`), not those before it in the step's list of drafts."""
+    from vllm import SamplingParams
+
+    target, drafters = models
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, detokenize=False, **PENALTIES)
+    penalized = run(target, None, prompts(), params)
+    assert penalized.token_ids != baseline.token_ids  # the penalties change plain vLLM's output: the test has power
+    spec = {"method": "ddtree", "model": drafters[4], "num_speculative_tokens": 7}
+    result = run(target, spec, prompts(), params)
+    assert result.token_ids == penalized.token_ids
+    check_spec_metrics(result, 7, depth=3)

@@ -154,3 +154,23 @@ def test_v2_runner_is_opt_in(monkeypatch, env, expected):
     else:
         monkeypatch.setenv("VLLM_DDTREE_RUNNER", env)
     assert v2_runner_requested() is expected
+
+
+def test_v2_penalties_state_is_what_the_tree_penalties_read():
+    from vllm.v1.worker.gpu.sample.penalties import PenaltiesState
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+    if hasattr(PenaltiesState, "apply_penalties"):  # 0.26
+        assert _params(PenaltiesState.apply_penalties)[:5] == [
+            "self", "logits", "expanded_idx_mapping", "idx_mapping_np", "input_ids",
+        ]  # fmt: skip
+        assert "self.penalties_state.apply_penalties(" in inspect.getsource(Sampler.apply_sampling_params)
+    else:  # 0.32: apply(logits, ctx), ctx a LogitsContext
+        assert _params(PenaltiesState.apply) == ["self", "logits", "ctx"]
+        source = inspect.getsource(PenaltiesState.apply)
+        for field in ("ctx.idx_mapping_np", "ctx.expanded_idx_mapping", "ctx.input_ids"):
+            assert field in source, field
+    init = inspect.getsource(PenaltiesState.__init__)
+    for name in ("output_bin_counts", "prompt_bin_mask", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty", "use_penalty"):  # fmt: skip
+        assert f"self.{name}" in init, name

@@ -71,15 +71,33 @@ def apply_penalties_(
     vocab_size = logits.shape[1]
     base = output_token_counts(sampling_metadata.output_token_ids, vocab_size, logits.device)[node_req]
     counts = base + path_token_counts(step, node_tokens, vocab_size)  # [rows, V]
-    output_mask = counts > 0
     prompt_mask = prompt_token_mask(sampling_metadata.prompt_token_ids, vocab_size)[node_req]
-    repetition = sampling_metadata.repetition_penalties[node_req].unsqueeze(1)
+    return penalize(
+        logits,
+        counts,
+        prompt_mask,
+        sampling_metadata.repetition_penalties[node_req],
+        sampling_metadata.frequency_penalties[node_req],
+        sampling_metadata.presence_penalties[node_req],
+    )
+
+
+def penalize(
+    logits: torch.Tensor,  # [rows, V] float32
+    counts: torch.Tensor,  # [rows, V] output-token counts of each row's context (its path included)
+    prompt_mask: torch.Tensor,  # [rows, V] bool, the token is in the prompt
+    repetition: torch.Tensor,  # [rows]
+    frequency: torch.Tensor,  # [rows]
+    presence: torch.Tensor,  # [rows]
+) -> torch.Tensor:
+    """vLLM's repetition, frequency and presence penalties (the formulas of both model runners' samplers)."""
+    output_mask = counts > 0
     seen = output_mask | prompt_mask
+    repetition = repetition.unsqueeze(1)
     penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
     logits = torch.where(seen, penalized, logits)
-    logits -= sampling_metadata.frequency_penalties[node_req].unsqueeze(1) * counts
-    logits -= sampling_metadata.presence_penalties[node_req].unsqueeze(1) * output_mask
-    return logits
+    logits = logits - frequency.unsqueeze(1) * counts
+    return logits - presence.unsqueeze(1) * output_mask
 
 
 def exponential_noise(

@@ -1,6 +1,7 @@
 """DDTree's scorer on vLLM's Model Runner V2, in place of V2's `RejectionSampler` (same call, same output).
 
-Per tree node the target's choice is V2's own: its sampling parameters (`Sampler.apply_sampling_params`), then a
+Per tree node the target's choice is V2's own: its sampling parameters (`Sampler.apply_sampling_params`, with the
+penalties counted along each node's path: `penalties_v2.py`), then a
 Gumbel-max draw keyed by the request's seed and the node's position (root + depth, the position plain decoding
 gives that token), which is the argmax at temperature 0. The walk follows the choices from the root; every
 accepted token is therefore the one plain V2 decoding would have produced with the same seed. Then the accepted
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from vllm_ddtree.kv.compact import compact_accepted_kv_
+from vllm_ddtree.verify.penalties_v2 import install_tree_penalties
 from vllm_ddtree.verify.scorer import node_tokens, walk_and_moves_
 
 
@@ -22,6 +24,8 @@ class TreeVerifier:
         self.sampler = sampler
         self.state = state  # runner_v2.DDTreeV2State: this step's TreeStep, target layers, slot mappings
         self.speculator = speculator  # receives the accepted-path moves
+        if sampler is not None and state is not None:
+            install_tree_penalties(sampler.penalties_state, state)  # penalties counted along each node's path
 
     def __call__(self, logits: torch.Tensor, input_batch, draft_logits=None, *args, **kwargs):
         from vllm_ddtree.compat import v2_sampling
