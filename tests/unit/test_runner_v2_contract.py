@@ -2,8 +2,10 @@
 
 V2 runs on CUDA only, so the end-to-end checks are GPU tests (tests/e2e with VLLM_DDTREE_RUNNER=v2 on the H200).
 Here: the V2 names and parameters the hooks rely on exist in the installed vLLM (a contract that fails on the
-upgrade that breaks it), the drafter's in-graph top-K against `top_tokens`, and the verifier's logprob rows against
-the V1 scorer's (`output_logprobs`: output token j of a request comes from its path node j's logits row).
+upgrade that breaks it); the drafter's in-graph top-K against `top_tokens`; the verifier's logprob rows against
+the V1 scorer's (`output_logprobs`: output token j of a request comes from its path node j's logits row); the
+glue with fakes for V2's objects: tree metadata on the target's layers (runtime and capture), and the speculator's
+path move, tree build and per-slot tree state.
 """
 
 import inspect
@@ -174,3 +176,88 @@ def test_v2_penalties_state_is_what_the_tree_penalties_read():
     for name in ("output_bin_counts", "prompt_bin_mask", "repetition_penalty", "frequency_penalty",
                  "presence_penalty", "use_penalty"):  # fmt: skip
         assert f"self.{name}" in init, name
+
+
+def test_target_metadata_gets_this_steps_tree_at_runtime_and_a_chain_at_capture():
+    from vllm_ddtree.attention.metadata import ATTRIBUTE, PersistentTreeBuffers, TreeAttentionMetadataBuilder
+    from vllm_ddtree.runner_v2 import DDTreeV2State, _wrap_model_state_prepare_attn
+    from vllm_ddtree.tree import ancestor_mask, build_draft_tree
+    from vllm_ddtree.verify.step import build_tree_step
+
+    budget, num_reqs = 4, 2
+    width = budget + 1
+    state = DDTreeV2State(budget=budget, depth=3)
+    state.timer = SimpleNamespace(mark=lambda name: None)
+    state.attention = TreeAttentionMetadataBuilder(
+        {"target.0"}, PersistentTreeBuffers.allocate(8, width, torch.device("cpu"))
+    )
+
+    def backend():
+        return SimpleNamespace(
+            seq_lens=torch.tensor([20, 30], dtype=torch.int32),
+            query_start_loc=torch.tensor([0, width, 2 * width], dtype=torch.int32),
+            max_seq_len=30, block_table=torch.zeros(2, 4, dtype=torch.int32),
+        )  # fmt: skip
+
+    model_state = SimpleNamespace(prepare_attn=lambda batch, *a, for_capture=False, **k: {
+        "target.0": backend(), "drafter.0": backend()})  # fmt: skip
+    _wrap_model_state_prepare_attn(model_state, state, torch.device("cpu"))
+    uniform = SimpleNamespace(num_tokens=num_reqs * width, num_reqs=num_reqs,
+                              num_scheduled_tokens=np.array([width] * num_reqs))  # fmt: skip
+
+    captured = model_state.prepare_attn(uniform, "FULL", for_capture=True)
+    tree = getattr(captured["target.0"], ATTRIBUTE)
+    assert tree.covers_all_tokens and tree.node_mask.data_ptr() == state.attention.persistent.node_mask.data_ptr()
+    assert torch.equal(tree.node_mask[0].bool(), torch.ones(width, width).tril().bool())  # a chain
+    assert getattr(captured["drafter.0"], ATTRIBUTE, None) is None  # only the target's layers
+
+    draft = torch.randn(num_reqs, 3, 30, generator=torch.Generator().manual_seed(0)) * 3
+    kept = build_draft_tree(draft, torch.tensor([1, 2]), budget=budget)
+    state.step = build_tree_step([budget] * num_reqs, torch.arange(num_reqs * width), kept.parents, kept.depths,
+                                 [0, 1], width)  # fmt: skip
+    runtime = model_state.prepare_attn(uniform, "FULL")
+    tree = getattr(runtime["target.0"], ATTRIBUTE)
+    assert torch.equal(tree.node_mask[:num_reqs].bool(), ancestor_mask(kept.parents))
+    state.step = None  # a dummy run after the step: nothing attached
+    assert getattr(model_state.prepare_attn(uniform, "FULL")["target.0"], ATTRIBUTE, None) is None
+
+
+def test_speculator_keeps_each_requests_tree_in_its_slot_and_returns_its_nodes(monkeypatch):
+    from vllm_ddtree import speculator_v2
+    from vllm_ddtree.speculator_v2 import DDTreeSpeculator
+    from vllm_ddtree.tree.build import top_tokens, tree_from_top_tokens
+
+    budget, depth, vocab, k, max_reqs = 5, 3, 30, 5, 6
+    logits = torch.randn(2 * depth, vocab, generator=torch.Generator().manual_seed(2)) * 3
+    seen = {}
+
+    def dflash_propose(self, input_batch, attn_metadata, slot_mappings, last_hidden, aux, num_sampled,
+                       num_rejected, last_sampled, *args, **kwargs):  # fmt: skip
+        seen["context"] = self.model.combine_hidden_states(torch.cat(aux, dim=-1)).clone()
+        self.sample_draft(logits)  # what the drafter's graph does: top-K kept, argmax returned
+
+    monkeypatch.setattr(speculator_v2.DFlashSpeculator, "propose", dflash_propose)
+    spec = object.__new__(DDTreeSpeculator)
+    spec.model = SimpleNamespace(compute_logits=lambda h: h, combine_hidden_states=lambda h: h * 1.0)
+    spec.budget, spec.depth, spec.topk, spec.timer = budget, depth, k, SimpleNamespace(mark=lambda name: None)
+    spec.top_token_ids = torch.zeros(max_reqs * depth, k, dtype=torch.int64)
+    spec.top_log_probs = torch.zeros(max_reqs * depth, k)
+    spec.tree_parents = torch.full((max_reqs, budget + 1), -7, dtype=torch.int64)
+    spec.tree_depths = torch.full((max_reqs, budget + 1), -7, dtype=torch.int64)
+    # load_model's wrapper around the drafter's combine_hidden_states: the accepted paths' rows move first.
+    combine = spec.model.combine_hidden_states
+    spec.model.combine_hidden_states = lambda h: (lambda c: (spec._move_accepted_paths_(c), c)[1])(combine(h))
+    spec.accepted_path_moves = (torch.tensor([3]), torch.tensor([1]))  # token 3's row goes to row 1
+    aux = [torch.arange(8.0)[:, None].repeat(1, 2)]
+    batch = SimpleNamespace(num_reqs=2, idx_mapping=torch.tensor([4, 1], dtype=torch.int32))
+    last_sampled = torch.arange(max_reqs)[:, None] + 100  # [max_reqs, 1] as V2 keeps it
+
+    drafts = spec.propose(batch, None, None, None, aux, None, None, last_sampled)
+
+    assert seen["context"][1].tolist() == [3.0, 3.0] and seen["context"][3].tolist() == [3.0, 3.0]
+    assert spec.accepted_path_moves is None
+    ids, lps = top_tokens(logits, k)
+    want = tree_from_top_tokens(ids.view(2, depth, k), lps.view(2, depth, k), torch.tensor([104, 101]), budget)
+    assert torch.equal(drafts, want.token_ids[:, 1:])
+    assert torch.equal(spec.tree_parents[[4, 1]], want.parents) and torch.equal(spec.tree_depths[[4, 1]], want.depths)
+    assert (spec.tree_parents[[0, 2, 3, 5]] == -7).all()  # other slots untouched
