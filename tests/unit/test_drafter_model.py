@@ -132,6 +132,38 @@ def test_sample_blocks_labels_follow_the_sequence():
     assert position_weights(4, 2.0)[0] == 1.0 and position_weights(4, None).tolist() == [1.0, 1.0, 1.0]
 
 
+def _sample_blocks_loop(seqs, block_size, anchors_per_seq, mask_token_id, pad_id, rng):
+    """The first `sample_blocks`, one small tensor per anchor: the oracle of the vectorized one."""
+    B, S, A = len(seqs), block_size, anchors_per_seq
+    T = max(len(s.ids) for s in seqs)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    anchors = torch.zeros((B, A), dtype=torch.long)
+    labels = torch.full((B, A, S - 1), IGNORE, dtype=torch.long)
+    for b, seq in enumerate(seqs):
+        ids = seq.ids
+        input_ids[b, : len(ids)] = torch.tensor(ids)
+        candidates = list(range(max(1, len(seq.prompt)), len(ids) - 1))
+        for a_idx, anchor in enumerate(sorted(rng.sample(candidates, min(A, len(candidates))))):
+            anchors[b, a_idx] = anchor
+            targets = ids[anchor + 1 : anchor + S]
+            labels[b, a_idx, : len(targets)] = torch.tensor(targets)
+    block_ids = torch.full((B, A, S), mask_token_id, dtype=torch.long)
+    block_ids[:, :, 0] = torch.gather(input_ids, 1, anchors)
+    return input_ids, anchors, block_ids, labels
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_sample_blocks_matches_the_per_anchor_loop(seed):
+    gen = random.Random(seed)
+    seqs = [Sequence([gen.randrange(3, 40) for _ in range(gen.randrange(0, 5))],
+                     [gen.randrange(3, 40) for _ in range(gen.randrange(0, 30))]) for _ in range(6)]  # fmt: skip
+    seqs.append(Sequence([5], [6]))  # no anchor fits
+    got = sample_blocks(seqs, 8, 5, MASK, 0, random.Random(seed))
+    want = _sample_blocks_loop(seqs, 8, 5, MASK, 0, random.Random(seed))  # the same random draws
+    for name, tensor in zip(("input_ids", "anchors", "block_ids", "labels"), want):
+        assert torch.equal(getattr(got, name), tensor), name
+
+
 def test_loss_decreases_on_a_toy_batch():
     torch.manual_seed(0)
     drafter = tiny_drafter()
