@@ -7,8 +7,14 @@ Differences between the two that the plugin meets (0.26 -> 0.32):
 - `GPUModelRunner._prepare_inputs` returns (logits_indices, spec_decode_metadata); 0.32 adds a third value
   (max_num_sampled_tokens): `prepare_inputs_outputs`.
 - On GPU, 0.26 runs Model Runner V2 by default for dense generate models (`VllmConfig.use_v2_model_runner`, env
-  VLLM_USE_V2_MODEL_RUNNER); DDTree hooks the V1 `GPUModelRunner`, so `choose_v1_model_runner` makes the
-  property answer False for DDTree configs. (The CPU build runs V1 only.)
+  VLLM_USE_V2_MODEL_RUNNER); DDTree hooks the V1 `GPUModelRunner` by default, so `choose_v1_model_runner` makes
+  the property answer False for DDTree configs, unless VLLM_DDTREE_RUNNER=v2 selects DDTree's V2 hooks
+  (`runner_v2.py`). (The CPU build runs V1 only; V2's modules import there, which the contract tests use.)
+- Model Runner V2, 0.26 -> 0.32: `gumbel_sample` gains a required `is_drafting` (`v2_sampling` passes it where it
+  exists); `PenaltiesState.apply_penalties(logits, expanded_idx_mapping, idx_mapping_np, input_ids, ...)` becomes
+  `apply(logits, ctx)` (`verify/penalties_v2.py` wraps either); `RejectionSampler.__call__` gains
+  `invalid_drafts` and DFlash's `propose` / `sample_draft` gain keywords (the DDTree versions pass them on). V2
+  DDTree runs on 0.26 only so far (docs/model-runner-v2.md, section 6).
 - GPU attention backends of 0.26 (FLASH_ATTN, FLASHINFER, TRITON_ATTN, FLEX_ATTENTION) share one KV cache
   tensor per layer, logical [num_blocks, H, block_size, 2 * head_size] (keys then values), with the physical order
   set by the NHD/HND layout, and write it before `impl.forward` (`forward_includes_kv_cache_update = False`);

@@ -302,3 +302,10 @@ def test_tree_metrics_match_spec_decode_counters(ddtree_server, plain_server, cl
     check_tree_metrics(spec_counters(after), tree_metrics(after))
     # Only a DDTree server has them.
     assert not [name for name in plain_server.metrics() if name.startswith("vllm:ddtree")]
+
+
+def test_server_log_says_what_ddtree_runs(ddtree_server, client):
+    """The plugin's messages reach vLLM's log (its logger is under vLLM's): the settings and the runner choice."""
+    client.completions.create(model=MODEL_NAME, prompt="a", max_tokens=2)  # the engine is up and has logged
+    log = ddtree_server.log_path.read_text(errors="replace")
+    assert f"DDTree: node budget {BUDGET}, tree depth {DEPTH}" in log, log[-3000:]
