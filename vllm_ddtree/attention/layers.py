@@ -57,13 +57,18 @@ def _skips_backend_attention(layer: torch.nn.Module) -> bool:
 
 def _split_attention_applies(impl, query: torch.Tensor, tree) -> bool:
     """The split design (FA3 over the context with LSE + a small tree kernel, merged) needs a batch of tree
-    requests only and FlashAttention-3 (16-bit dtypes); VLLM_DDTREE_SPLIT_ATTENTION=0 turns it off."""
+    requests only and FlashAttention-3 (16-bit dtypes). VLLM_DDTREE_SPLIT_ATTENTION: "auto" (default) uses it for
+    two or more requests, "1" always, "0" never. With one request the one-pass kernel was as fast or faster as CUDA
+    graph replays on the H200 (Qwen3-8B attention, B = 15: 17.4 vs 24.7 us at 1k context, 41.9 vs 41.8 us at 8k;
+    from batch 8 on the split was faster: docs/benchmarks.md, session 15)."""
+    choice = os.environ.get("VLLM_DDTREE_SPLIT_ATTENTION", "auto")
     return (
         tree.covers_all_tokens
         and tree.cu_seqlens_q is not None
         and query.dtype in (torch.float16, torch.bfloat16)
         and getattr(impl, "vllm_flash_attn_version", None) == 3
-        and os.environ.get("VLLM_DDTREE_SPLIT_ATTENTION", "1") != "0"
+        and choice != "0"
+        and (choice == "1" or tree.num_tree_reqs > 1)
     )
 
 
