@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from vllm_ddtree.verify.step import TreeStep
+from vllm_ddtree.verify.step import TreeStep, to_device
 
 _SAMPLING_EPS = 1e-5
 
@@ -37,10 +38,10 @@ def path_token_counts(step: TreeStep, node_tokens: torch.Tensor, vocab_size: int
     tokens = node_tokens[:, None, :].expand(num_reqs, width, width)
     counts = torch.zeros((num_reqs, width, vocab_size), dtype=torch.float32, device=node_tokens.device)
     counts.scatter_add_(2, tokens, on_path.float())
-    # Padded rows alias the last valid node; keep the valid ones in logits-row order.
-    node = torch.arange(width, device=node_tokens.device)[None, :]
-    valid = node < step.num_nodes[:, None]
-    return counts[valid]
+    # Padded rows alias the last valid node; keep the valid ones in logits-row order (indices from the host's node
+    # counts: a boolean mask would wait for the device).
+    valid = np.concatenate([row * width + np.arange(n) for row, n in enumerate(step.num_nodes_cpu.tolist())])
+    return counts.view(num_reqs * width, vocab_size).index_select(0, to_device(valid, counts.device))
 
 
 def output_token_counts(output_token_ids: list[list[int]], vocab_size: int, device) -> torch.Tensor:
