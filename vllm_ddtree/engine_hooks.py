@@ -39,6 +39,13 @@ def install_config_hook() -> None:
             return original(self, target_model_config, target_parallel_config)
         spec = {k.replace("-", "_"): v for k, v in spec.items()}
         dflash_spec, ddtree = ddtree_config.split_ddtree_config(spec)
+        pipeline_stages = getattr(target_parallel_config, "pipeline_parallel_size", 1)
+        if pipeline_stages > 1:
+            raise ValueError(
+                f"speculative method 'ddtree' does not support pipeline parallelism yet (pipeline_parallel_size="
+                f"{pipeline_stages}): the tree layout lives on the last stage. Use tensor parallelism "
+                "(tensor_parallel_size) or method 'dflash'."
+            )
         self.speculative_config = dflash_spec
         try:
             spec_config = original(self, target_model_config, target_parallel_config)

@@ -1,0 +1,32 @@
+"""Engine configurations DDTree cannot run are refused when the engine's config is built, with the value and the
+fix in the message (vLLM's own `EngineArgs.create_engine_config`, CPU build, the tiny pair)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.test_tiny_pair_ddtree import DRAFTER, TARGET
+
+
+def engine_args(**kwargs):
+    import vllm_ddtree
+    from vllm_ddtree.compat import EngineArgs
+
+    vllm_ddtree.register()
+    return EngineArgs(
+        model=TARGET,
+        speculative_config={"method": "ddtree", "model": DRAFTER, "num_speculative_tokens": 4},
+        max_model_len=256,
+        max_num_seqs=4,
+        skip_tokenizer_init=True,
+        **kwargs,
+    )
+
+
+def test_pipeline_parallelism_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=2.*tensor_parallel_size.*'dflash'"):
+        engine_args(pipeline_parallel_size=2).create_engine_config()
+
+
+def test_one_pipeline_stage_is_accepted():
+    assert engine_args(pipeline_parallel_size=1).create_engine_config().parallel_config.pipeline_parallel_size == 1
