@@ -38,6 +38,7 @@ Differences between the two that the plugin meets (0.26 -> 0.32):
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from unittest import mock
 
@@ -114,11 +115,13 @@ def v2_dflash_speculator_class():
     return DFlashSpeculator
 
 
+@functools.cache
 def v2_sampling():
-    """The Model Runner V2 sampling pieces the tree verifier uses (0.26: same names in 0.32)."""
+    """The Model Runner V2 sampling pieces the tree verifier uses (0.26: same names in 0.32). Built once."""
     from types import SimpleNamespace
 
     from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+    from vllm.v1.worker.gpu.metrics.logits import get_num_nans
     from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
     from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
     from vllm.v1.worker.gpu.sample.output import SamplerOutput as V2SamplerOutput
@@ -138,6 +141,7 @@ def v2_sampling():
         gumbel_sample=target_gumbel_sample,
         get_num_sampled_and_rejected=get_num_sampled_and_rejected,
         compute_topk_scores=compute_topk_scores,
+        get_num_nans=get_num_nans,
         SamplerOutput=V2SamplerOutput,
         NO_LOGPROBS=NO_LOGPROBS,
     )

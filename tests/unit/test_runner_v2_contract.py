@@ -42,6 +42,7 @@ def test_v2_names_the_hooks_use_exist():
     v2 = compat.v2_sampling()
     assert _params(v2.compute_topk_scores)[:4] == ["logits", "num_logprobs", "sampled_token_ids", "cu_num_logits"]
     assert "logits_mode" in _params(v2.compute_topk_scores)
+    assert _params(v2.get_num_nans) == ["logits"] and compat.v2_sampling() is v2  # built once
     assert {"num_sampled", "seq_lens", "cu_num_logits", "idx_mapping", "prefill_len"} <= set(
         _params(v2.get_num_sampled_and_rejected)
     )

@@ -35,6 +35,7 @@ class TreeVerifier:
         step = state.step
         assert step is not None, "DDTree verification without a tree layout (runner_v2.prepare_attn)"
         state.timer.mark("verify_forward")  # the target forward and its logits
+        num_nans = v2.get_num_nans(logits) if sampler.compute_nans else None  # before any processing, as V2
         rows = input_batch.logits_indices
         pos = input_batch.positions[rows]  # [rows] tree positions: root + depth
         processed = sampler.apply_sampling_params(
@@ -64,7 +65,7 @@ class TreeVerifier:
         logprobs = self._logprobs(v2, logits, processed, input_batch, step, walk, output)
         state.timer.mark("verifier_output")
         return v2.SamplerOutput(
-            sampled_token_ids=output, logprobs_tensors=logprobs, num_nans=None, num_sampled=num_sampled,
+            sampled_token_ids=output, logprobs_tensors=logprobs, num_nans=num_nans, num_sampled=num_sampled,
             num_rejected=num_rejected,
         )  # fmt: skip
 
