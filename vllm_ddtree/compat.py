@@ -118,6 +118,7 @@ def v2_dflash_speculator_class():
 @functools.cache
 def v2_sampling():
     """The Model Runner V2 sampling pieces the tree verifier uses (0.26: same names in 0.32). Built once."""
+    import inspect
     from types import SimpleNamespace
 
     from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
@@ -126,8 +127,6 @@ def v2_sampling():
     from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
     from vllm.v1.worker.gpu.sample.output import SamplerOutput as V2SamplerOutput
     from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
-
-    import inspect
 
     extra = {"is_drafting": False} if "is_drafting" in inspect.signature(gumbel_sample).parameters else {}  # 0.32
 

@@ -46,6 +46,9 @@ def install_config_hook() -> None:
                 f"{pipeline_stages}): the tree layout lives on the last stage. Use tensor parallelism "
                 "(tensor_parallel_size) or method 'dflash'."
             )
+        if getattr(target_model_config, "uses_mrope", False):  # both runners: tree positions are 1-D
+            raise ValueError("speculative method 'ddtree' does not support M-RoPE target models yet; use method "
+                             "'dflash'.")  # fmt: skip
         self.speculative_config = dflash_spec
         try:
             spec_config = original(self, target_model_config, target_parallel_config)

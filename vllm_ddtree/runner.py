@@ -103,13 +103,20 @@ def hook(cls, name: str):
     return decorate
 
 
+def configure_cuda_graphs(compilation_config, logger) -> None:
+    """Before a DDTree runner starts (V1 or V2): FULL graphs for uniform tree-verification batches only, or none
+    with VLLM_DDTREE_FULL_CUDA_GRAPHS=0 (`attention.metadata.full_cuda_graphs_requested`)."""
+    from vllm_ddtree.compat import disable_full_cuda_graphs, full_cuda_graphs_for_uniform_batches_only
+
+    switch = full_cuda_graphs_for_uniform_batches_only if full_cuda_graphs_requested() else disable_full_cuda_graphs
+    switch(compilation_config, logger)
+
+
 def install_runner_hooks() -> None:
     from vllm_ddtree.compat import (
         LOGGER_NAME,
         GPUModelRunner,
         SamplerOutput,
-        disable_full_cuda_graphs,
-        full_cuda_graphs_for_uniform_batches_only,
         init_logger,
         prepare_inputs_outputs,
     )
@@ -124,17 +131,13 @@ def install_runner_hooks() -> None:
         spec = vllm_config.speculative_config
         settings = ddtree_config.settings_of(spec)
         if settings is not None:
-            keep_full_graphs = full_cuda_graphs_requested()
-            switch = full_cuda_graphs_for_uniform_batches_only if keep_full_graphs else disable_full_cuda_graphs
-            switch(vllm_config.compilation_config, logger)
+            configure_cuda_graphs(vllm_config.compilation_config, logger)
         original(self, vllm_config, device, *args, **kwargs)
         self._ddtree = None
         if settings is None:
             return
         from vllm_ddtree.proposer import DDTreeProposer
 
-        if self.uses_mrope:
-            raise NotImplementedError("DDTree does not support M-RoPE target models yet; use method 'dflash'.")
         self.drafter = DDTreeProposer(
             vllm_config,
             self.device,

@@ -20,13 +20,8 @@ import torch
 
 from vllm_ddtree import config as ddtree_config
 from vllm_ddtree.attention.layers import wrap_target_layers
-from vllm_ddtree.attention.metadata import (
-    TreeAttentionMetadataBuilder,
-    dummy_tree_step,
-    full_cuda_graphs_requested,
-    tree_attention_builder,
-)
-from vllm_ddtree.runner import hook
+from vllm_ddtree.attention.metadata import TreeAttentionMetadataBuilder, dummy_tree_step, tree_attention_builder
+from vllm_ddtree.runner import configure_cuda_graphs, hook
 from vllm_ddtree.verify.step import TreeStep, build_tree_step
 
 
@@ -58,13 +53,7 @@ def _is_uniform_verification(input_batch, width: int) -> bool:
 
 
 def install_v2_runner_hooks() -> None:
-    from vllm_ddtree.compat import (
-        LOGGER_NAME,
-        disable_full_cuda_graphs,
-        full_cuda_graphs_for_uniform_batches_only,
-        init_logger,
-        v2_model_runner_module,
-    )
+    from vllm_ddtree.compat import LOGGER_NAME, init_logger, v2_model_runner_module
 
     module = v2_model_runner_module()
     runner_cls = module.GPUModelRunner
@@ -90,8 +79,7 @@ def install_v2_runner_hooks() -> None:
     def __init__(original, self, vllm_config, device, *args, **kwargs):
         settings = ddtree_config.settings_of(vllm_config.speculative_config)
         if settings is not None:
-            switch = full_cuda_graphs_for_uniform_batches_only if full_cuda_graphs_requested() else disable_full_cuda_graphs
-            switch(vllm_config.compilation_config, logger)
+            configure_cuda_graphs(vllm_config.compilation_config, logger)
         original(self, vllm_config, device, *args, **kwargs)
         self._ddtree = None
         if settings is None:

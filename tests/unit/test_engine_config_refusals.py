@@ -30,3 +30,13 @@ def test_pipeline_parallelism_is_refused_with_the_fix():
 
 def test_one_pipeline_stage_is_accepted():
     assert engine_args(pipeline_parallel_size=1).create_engine_config().parallel_config.pipeline_parallel_size == 1
+
+
+def test_m_rope_targets_are_refused_on_both_runners():
+    """Tree positions (root + depth) are one-dimensional; an M-RoPE target would take V2's own positions instead
+    (`model_state.prepare_inputs`), so the check sits at config time, before either runner starts."""
+    from types import SimpleNamespace
+
+    args = engine_args()
+    with pytest.raises(ValueError, match="M-RoPE.*'dflash'"):
+        args.create_speculative_config(SimpleNamespace(uses_mrope=True), SimpleNamespace(pipeline_parallel_size=1))

@@ -16,6 +16,7 @@ import torch
 
 from vllm_ddtree.kv.compact import compact_accepted_kv_
 from vllm_ddtree.verify.penalties_v2 import install_tree_penalties
+from vllm_ddtree.verify.sampling import node_requests
 from vllm_ddtree.verify.scorer import node_tokens, walk_and_moves_
 
 
@@ -78,9 +79,7 @@ class TreeVerifier:
         mode = self.sampler.logprobs_mode
         source = processed if mode in ("processed_logprobs", "processed_logits") else logits
         num_rows, width = logits.shape[0], output.shape[1]
-        req = torch.repeat_interleave(
-            torch.arange(step.num_nodes.shape[0], device=logits.device), step.num_nodes, output_size=num_rows
-        )  # [rows] request of each row
+        req = node_requests(step)  # [rows] request of each row
         local = input_batch.expanded_local_pos.to(torch.int64)  # [rows] row index within its request
         path = walk.path_nodes  # [R, D + 1], -1 past the path
         node = path[req, local.clamp(max=path.shape[1] - 1)]  # [rows]
@@ -88,6 +87,6 @@ class TreeVerifier:
         path_rows = torch.where(on_path, step.node_rows[req, node.clamp(min=0)], torch.arange(num_rows, device=logits.device))
         sampled = output.to(torch.int64)[req, local.clamp(max=width - 1)].clamp(min=0)  # [rows]
         return v2.compute_topk_scores(
-            source[path_rows], max(max_num_logprobs, 0), sampled, input_batch.cu_num_logits_np.tolist(),
+            source[path_rows], max_num_logprobs, sampled, input_batch.cu_num_logits_np.tolist(),
             logits_mode=mode in ("raw_logits", "processed_logits"),
         )  # fmt: skip
