@@ -27,10 +27,10 @@ def register() -> None:
     install_config_hook()
     install_request_hook()
     install_runner_hooks()
-    from vllm_ddtree.compat import v2_runner_requested
+    # Both runners' hooks, whatever VLLM_DDTREE_RUNNER says now: the runner is chosen per engine config
+    # (`compat.choose_model_runner`), and a process that registered before the variable was set (a benchmark running
+    # several methods, a forked engine core) ran vLLM's plain DFlash for DDTree configs on V2 (session 16).
+    from vllm_ddtree.runner_v2 import install_v2_runner_hooks
 
-    if v2_runner_requested():  # VLLM_DDTREE_RUNNER=v2: Model Runner V2 (GPU)
-        from vllm_ddtree.runner_v2 import install_v2_runner_hooks
-
-        install_v2_runner_hooks()
+    install_v2_runner_hooks()
     install_metrics()  # tree metrics on /metrics (the API server process; see metrics.py)

@@ -7,9 +7,10 @@ Differences between the two that the plugin meets (0.26 -> 0.32):
 - `GPUModelRunner._prepare_inputs` returns (logits_indices, spec_decode_metadata); 0.32 adds a third value
   (max_num_sampled_tokens): `prepare_inputs_outputs`.
 - On GPU, 0.26 runs Model Runner V2 by default for dense generate models (`VllmConfig.use_v2_model_runner`, env
-  VLLM_USE_V2_MODEL_RUNNER); DDTree hooks the V1 `GPUModelRunner` by default, so `choose_v1_model_runner` makes
-  the property answer False for DDTree configs, unless VLLM_DDTREE_RUNNER=v2 selects DDTree's V2 hooks
-  (`runner_v2.py`). (The CPU build runs V1 only; V2's modules import there, which the contract tests use.)
+  VLLM_USE_V2_MODEL_RUNNER). DDTree has hooks for both runners (`runner.py`, `runner_v2.py`) and follows vLLM's
+  choice unless VLLM_DDTREE_RUNNER=v1|v2 forces one (`choose_model_runner`). The CPU build runs V1 only: its V2
+  (a subclass of the GPU one, 0.32) needs Triton, which has no CPU driver there; V2's modules import, which the
+  contract tests use.
 - Model Runner V2, 0.26 -> 0.32: `gumbel_sample` gains a required `is_drafting` (`v2_sampling` passes it where it
   exists); `PenaltiesState.apply_penalties(logits, expanded_idx_mapping, idx_mapping_np, input_ids, ...)` becomes
   `apply(logits, ctx)` (`verify/penalties_v2.py` wraps either); `RejectionSampler.__call__` gains
@@ -64,12 +65,14 @@ def prepare_inputs_outputs(result) -> tuple:
     return result[0], result[1]
 
 
-def choose_v1_model_runner(is_ddtree, logger) -> None:
-    """Make `VllmConfig.use_v2_model_runner` False for configs where `is_ddtree(speculative_config)`.
+def choose_model_runner(is_ddtree, logger) -> None:
+    """Make `VllmConfig.use_v2_model_runner` follow VLLM_DDTREE_RUNNER (`requested_runner`) for configs where
+    `is_ddtree(speculative_config)`, and log the runner DDTree runs on.
 
-    vLLM 0.26 picks Model Runner V2 by default on GPU; DDTree's default hooks live on the V1 runner. An explicit
-    VLLM_USE_V2_MODEL_RUNNER=1 is refused with a message saying how to fix it. With VLLM_DDTREE_RUNNER=v2
-    (`runner_v2.py`, opt-in) vLLM's own choice stands. Idempotent.
+    "auto" (the default) keeps vLLM's own choice: Model Runner V2 for most models on vLLM 0.26's GPU build, the V1
+    runner where vLLM falls back (CPU, features V2 lacks, VLLM_USE_V2_MODEL_RUNNER=0); DDTree's hooks for both are
+    installed. "v1" / "v2" force one, and a VLLM_USE_V2_MODEL_RUNNER that says the opposite is refused with the
+    fix. Idempotent.
     """
     import vllm.envs as envs
     from vllm.config import VllmConfig
@@ -79,27 +82,38 @@ def choose_v1_model_runner(is_ddtree, logger) -> None:
         return
 
     def use_v2_model_runner(self) -> bool:
-        if not is_ddtree(self.speculative_config) or v2_runner_requested():
+        if not is_ddtree(self.speculative_config):
             return original.fget(self)
-        if envs.VLLM_USE_V2_MODEL_RUNNER:
+        runner = requested_runner()
+        vllm_env = envs.VLLM_USE_V2_MODEL_RUNNER
+        if runner != "auto" and vllm_env is not None and vllm_env != (runner == "v2"):
             raise ValueError(
-                "speculative method 'ddtree' runs on vLLM's V1 model runner, but VLLM_USE_V2_MODEL_RUNNER=1 asks "
-                "for Model Runner V2; unset VLLM_USE_V2_MODEL_RUNNER (or set it to 0), or set VLLM_DDTREE_RUNNER=v2 "
-                "for DDTree's Model Runner V2 hooks."
+                f"{RUNNER_ENV}={runner} asks for DDTree on {_RUNNER_NAMES[runner == 'v2']}, but "
+                f"VLLM_USE_V2_MODEL_RUNNER={int(vllm_env)} asks vLLM for {_RUNNER_NAMES[bool(vllm_env)]}; "
+                f"unset one of them (or set {RUNNER_ENV}=auto to follow vLLM's choice)."
             )
-        logger.info_once("DDTree: using the V1 model runner (GPUModelRunner), which DDTree's hooks extend.")
-        return False
+        use_v2 = original.fget(self) if runner == "auto" else runner == "v2"
+        logger.info_once("DDTree: on %s (%s=%s).", _RUNNER_NAMES[use_v2], RUNNER_ENV, runner)
+        return use_v2
 
     use_v2_model_runner._ddtree_hook = True
     VllmConfig.use_v2_model_runner = property(use_v2_model_runner)
 
 
 RUNNER_ENV = "VLLM_DDTREE_RUNNER"
+RUNNER_CHOICES = ("auto", "v1", "v2")
+_RUNNER_NAMES = {False: "the V1 model runner (GPUModelRunner)", True: "Model Runner V2"}
 
 
-def v2_runner_requested() -> bool:
-    """VLLM_DDTREE_RUNNER=v2: DDTree on Model Runner V2 (opt-in while it is new; `runner_v2.py`)."""
-    return os.environ.get(RUNNER_ENV, "v1").lower() == "v2"
+def requested_runner() -> str:
+    """VLLM_DDTREE_RUNNER: "auto" (default; the runner vLLM picks), "v1" (`runner.py`) or "v2" (`runner_v2.py`)."""
+    value = os.environ.get(RUNNER_ENV, "").strip().lower() or "auto"
+    if value not in RUNNER_CHOICES:
+        raise ValueError(
+            f"{RUNNER_ENV}={os.environ[RUNNER_ENV]!r} is not a model runner DDTree knows; use auto (vLLM's choice, "
+            "the default), v1 or v2"
+        )
+    return value
 
 
 def v2_model_runner_module():
@@ -147,14 +161,13 @@ def v2_sampling():
 
 
 def model_runner_for(method: str):
-    """A context for the benchmarks' method names: "-v1" (`dflash-v1`: vLLM's chain on the V1 model runner, DDTree's
-    default) sets VLLM_USE_V2_MODEL_RUNNER=0, "-v2" (`ddtree-v2`: DDTree on Model Runner V2) sets
-    VLLM_DDTREE_RUNNER=v2; other names change nothing. Engines started inside it (and their engine-core
-    processes) see the setting. The CPU build runs V1 only."""
+    """A context for the benchmarks' method names: "-v1" (`dflash-v1`, `ddtree-B64-v1`) puts vLLM and DDTree on the
+    V1 model runner, "-v2" on Model Runner V2; other names keep the defaults (vLLM's choice). Engines started
+    inside it (and their engine-core processes) see the setting. The CPU build runs V1 only (V2 needs Triton)."""
     if method.endswith("-v1"):
-        return mock.patch.dict(os.environ, {"VLLM_USE_V2_MODEL_RUNNER": "0"})
+        return mock.patch.dict(os.environ, {"VLLM_USE_V2_MODEL_RUNNER": "0", RUNNER_ENV: "v1"})
     if method.endswith("-v2"):
-        return mock.patch.dict(os.environ, {RUNNER_ENV: "v2"})
+        return mock.patch.dict(os.environ, {"VLLM_USE_V2_MODEL_RUNNER": "1", RUNNER_ENV: "v2"})
     return contextlib.nullcontext()
 
 
@@ -286,12 +299,22 @@ def metrics_loggers() -> tuple[type, type]:
 
 def shutdown_llm(llm) -> None:
     """Stop an offline ``LLM``'s engine now, so its memory (and, on a GPU, its KV cache) goes back before the next
-    engine starts in the same process. vLLM 0.26-0.32: ``llm.llm_engine.engine_core.shutdown()``."""
+    engine starts in the same process. vLLM 0.26-0.32: ``llm.llm_engine.engine_core.shutdown()``, and a fresh
+    CUDA-graph pool for the next in-process engine."""
     import gc
+
+    from vllm.platforms import current_platform
 
     engine_core = getattr(llm.llm_engine, "engine_core", None)
     if engine_core is not None and hasattr(engine_core, "shutdown"):
         engine_core.shutdown()
+    # vLLM keeps one CUDA-graph memory pool per process (`Platform._global_graph_pool`). Once an in-process engine's
+    # graphs are freed, the next engine's capture into that pool fails with a caching-allocator assert
+    # (`use_count > 0`, seen on the H200 in sessions 15 and 16 with VLLM_ENABLE_V1_MULTIPROCESSING=0): give the
+    # next engine a fresh pool. Engines in their own processes (vLLM's default) never share it.
+    platform_class = type(current_platform)
+    if getattr(platform_class, "_global_graph_pool", None) is not None:
+        platform_class._global_graph_pool = None
     gc.collect()
 
 
@@ -306,7 +329,7 @@ __all__ = [
     "SamplingParams",
     "VLLM_VERSION",
     "apply_top_k_top_p",
-    "choose_v1_model_runner",
+    "choose_model_runner",
     "disable_full_cuda_graphs",
     "full_cuda_graphs_for_uniform_batches_only",
     "flash_attn_varlen",
@@ -319,7 +342,7 @@ __all__ = [
     "model_runner_for",
     "v2_dflash_speculator_class",
     "v2_model_runner_module",
-    "v2_runner_requested",
+    "requested_runner",
     "v2_sampling",
     "validation_error",
 ]

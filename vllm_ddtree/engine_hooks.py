@@ -21,12 +21,12 @@ def install_config_hook() -> None:
     from vllm_ddtree.compat import (
         LOGGER_NAME,
         EngineArgs,
-        choose_v1_model_runner,
+        choose_model_runner,
         init_logger,
         reserve_drafter_slots_for_tree_depth,
     )
 
-    choose_v1_model_runner(is_ddtree, init_logger(LOGGER_NAME))
+    choose_model_runner(is_ddtree, init_logger(LOGGER_NAME))
     reserve_drafter_slots_for_tree_depth(tree_depth)
     original = EngineArgs.create_speculative_config
     if getattr(original, "_ddtree_hook", False):

@@ -1,4 +1,5 @@
-"""Hooks that give vLLM's Model Runner V2 (`vllm/v1/worker/gpu/`) DDTree; opt-in with VLLM_DDTREE_RUNNER=v2.
+"""Hooks that give vLLM's Model Runner V2 (`vllm/v1/worker/gpu/`) DDTree; used where vLLM picks
+V2 (vLLM 0.26's default on GPU) or with VLLM_DDTREE_RUNNER=v2.
 
 Design: docs/model-runner-v2.md. One decode step, in the order V2 calls the hooks:
   `init_speculator`        (at __init__) a `DDTreeSpeculator` for DDTree configs

@@ -53,7 +53,7 @@ def device_kwargs() -> dict:
 
 def same_runner_for_every_engine():
     """On CUDA, every engine of a test process (the plain-vLLM baseline too) starts on the model runner DDTree
-    uses: V1 unless VLLM_DDTREE_RUNNER=v2. vLLM 0.26 does not take both runners' CUDA graphs in one process: a V2
+    uses: vLLM's choice, or V1 with VLLM_DDTREE_RUNNER=v1. vLLM 0.26 does not take both runners' CUDA graphs in one process: a V2
     capture after a V1 engine was refused (session 14), and a V1 capture after a V2 engine hit a CUDA caching
     allocator assert (`use_count > 0`, session 15, the float32 identity test with full graphs)."""
     import contextlib
@@ -61,9 +61,9 @@ def same_runner_for_every_engine():
 
     import torch
 
-    from vllm_ddtree.compat import v2_runner_requested
+    from vllm_ddtree.compat import requested_runner
 
-    if not torch.cuda.is_available() or v2_runner_requested():
+    if not torch.cuda.is_available() or requested_runner() != "v1":
         return contextlib.nullcontext()
     return mock.patch.dict(os.environ, {"VLLM_USE_V2_MODEL_RUNNER": "0"})
 

@@ -1,4 +1,5 @@
-"""Which model runner DDTree runs on: V1 by default, Model Runner V2 with VLLM_DDTREE_RUNNER=v2; and
+"""Which model runner DDTree runs on: vLLM's choice by default (Model Runner V2 on vLLM 0.26's GPU build, V1 on
+the CPU build), one forced with VLLM_DDTREE_RUNNER=v1|v2; and
 `compat.model_runner_for`, the benchmarks' method suffixes (`dflash-v1`: vLLM's chain on the V1 runner, so a
 tree/chain ratio can be read on one runner; `ddtree-...-v2`: DDTree on Model Runner V2)."""
 
@@ -25,12 +26,17 @@ def test_v1_suffix_asks_for_the_v1_runner_and_restores_the_environment(monkeypat
 
 
 def test_v2_suffix_asks_for_ddtree_on_model_runner_v2(monkeypatch):
-    from vllm_ddtree.compat import method_without_runner, model_runner_for, v2_runner_requested
+    import vllm.envs as envs
+
+    from vllm_ddtree.compat import method_without_runner, model_runner_for, requested_runner
 
     monkeypatch.delenv("VLLM_DDTREE_RUNNER", raising=False)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     with model_runner_for("ddtree-B32-v2"):
-        assert v2_runner_requested()
-    assert not v2_runner_requested()
+        assert requested_runner() == "v2" and envs.VLLM_USE_V2_MODEL_RUNNER is True
+    with model_runner_for("ddtree-B32-v1"):
+        assert requested_runner() == "v1" and envs.VLLM_USE_V2_MODEL_RUNNER is False
+    assert requested_runner() == "auto"
     assert [method_without_runner(m) for m in ("dflash-v1", "ddtree-B32-v2", "ddtree", "none")] == [
         "dflash", "ddtree-B32", "ddtree", "none",
     ]  # fmt: skip
@@ -47,22 +53,78 @@ def _vllm_config_like(speculative_config):
     )
 
 
-def test_runner_for_ddtree_configs_is_v1_unless_v2_is_asked_for(monkeypatch):
-    from types import SimpleNamespace
-
+def _use_v2_model_runner():
     from vllm.config import VllmConfig
 
-    from vllm_ddtree import config as ddtree_config
     from vllm_ddtree.engine_hooks import install_config_hook
 
     install_config_hook()
-    ddtree = _vllm_config_like(SimpleNamespace(**{ddtree_config.ATTRIBUTE: {"budget": 8, "depth": 15, "max_topk": None}}))
-    use_v2 = VllmConfig.use_v2_model_runner.fget
-    monkeypatch.delenv("VLLM_DDTREE_RUNNER", raising=False)
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    assert use_v2(ddtree) is False
+    return VllmConfig.use_v2_model_runner.fget
+
+
+def _ddtree_config():
+    from types import SimpleNamespace
+
+    from vllm_ddtree import config as ddtree_config
+
+    settings = {"budget": 8, "depth": 15, "max_topk": None}
+    return _vllm_config_like(SimpleNamespace(**{ddtree_config.ATTRIBUTE: settings}))
+
+
+@pytest.mark.parametrize(
+    "ddtree_runner, vllm_env, expected",
+    [
+        (None, None, False),  # auto: vLLM's choice, V1 on the CPU build (no Triton driver)
+        ("auto", "1", True),  # auto: vLLM's choice, V2 when asked for
+        ("auto", "0", False),
+        ("v1", None, False),
+        ("v1", "0", False),
+        ("v2", None, True),
+        ("V2", "1", True),
+    ],
+)
+def test_ddtree_follows_vllm_unless_a_runner_is_forced(monkeypatch, ddtree_runner, vllm_env, expected):
+    for name, value in (("VLLM_DDTREE_RUNNER", ddtree_runner), ("VLLM_USE_V2_MODEL_RUNNER", vllm_env)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert _use_v2_model_runner()(_ddtree_config()) is expected
+
+
+@pytest.mark.parametrize("ddtree_runner, vllm_env", [("v1", "1"), ("v2", "0")])
+def test_contradicting_runner_settings_are_refused_with_the_fix(monkeypatch, ddtree_runner, vllm_env):
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", ddtree_runner)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", vllm_env)
+    with pytest.raises(ValueError, match=f"VLLM_DDTREE_RUNNER={ddtree_runner}.*VLLM_USE_V2_MODEL_RUNNER={vllm_env}.*auto"):
+        _use_v2_model_runner()(_ddtree_config())
+
+
+def test_unknown_runner_name_is_refused_with_the_choices(monkeypatch):
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v3")
+    with pytest.raises(ValueError, match="VLLM_DDTREE_RUNNER='v3'.*auto.*v1 or v2"):
+        _use_v2_model_runner()(_ddtree_config())
+
+
+def test_other_configs_keep_vllms_choice(monkeypatch):
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v1")
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(ValueError, match="VLLM_DDTREE_RUNNER=v2"):
-        use_v2(ddtree)
-    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
-    assert use_v2(ddtree) is True  # vLLM's own choice: the explicit VLLM_USE_V2_MODEL_RUNNER=1
+    assert _use_v2_model_runner()(_vllm_config_like(None)) is True
+
+
+def test_engine_shutdown_gives_the_next_in_process_engine_a_fresh_cuda_graph_pool(monkeypatch):
+    """vLLM's per-process CUDA-graph pool outlives an in-process engine; the next engine capturing into it after
+    the first one's graphs are freed hit a caching-allocator assert on the H200 (sessions 15 and 16)."""
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+
+    from vllm_ddtree.compat import shutdown_llm
+
+    platform_class = type(current_platform)
+    monkeypatch.setattr(platform_class, "_global_graph_pool", (0, 1), raising=False)
+    stopped = []
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: stopped.append(1))))
+    shutdown_llm(llm)
+    assert stopped == [1]
+    assert platform_class._global_graph_pool is None

@@ -148,15 +148,15 @@ def test_verifier_logprob_rows_are_the_path_nodes_rows():
     assert seen["cu"] == cu.tolist()
 
 
-@pytest.mark.parametrize("env, expected", [(None, False), ("v1", False), ("v2", True), ("V2", True)])
-def test_v2_runner_is_opt_in(monkeypatch, env, expected):
-    from vllm_ddtree.compat import v2_runner_requested
+@pytest.mark.parametrize("env, expected", [(None, "auto"), ("", "auto"), ("v1", "v1"), ("v2", "v2"), (" V2 ", "v2")])
+def test_runner_choice_reads_the_environment(monkeypatch, env, expected):
+    from vllm_ddtree.compat import requested_runner
 
     if env is None:
         monkeypatch.delenv("VLLM_DDTREE_RUNNER", raising=False)
     else:
         monkeypatch.setenv("VLLM_DDTREE_RUNNER", env)
-    assert v2_runner_requested() is expected
+    assert requested_runner() == expected
 
 
 def test_v2_penalties_state_is_what_the_tree_penalties_read():
