@@ -238,6 +238,8 @@ def print_table(rows: list[dict]) -> None:
             if prof.get(kind):
                 phases = ", ".join(f"{k} {v:.3f}" for k, v in prof[kind].items())
                 print(f"{r['method']} batch {r['batch']} {kind} per phase: {phases}")
+        if prof.get("counts"):
+            print(f"{r['method']} batch {r['batch']} counts: {prof['counts']}")  # e.g. the target's CUDA-graph mode
 
 
 def argv_with_methods(argv: list[str], method: str) -> list[str]:

@@ -2,7 +2,8 @@
 
 While `VLLM_DDTREE_PROFILE=/path/profile.json` is set (checked once per step, so an in-process engine can switch
 it on and off), the runner records an event at each phase boundary of a step and writes mean GPU and host
-milliseconds per phase to that file every 10 steps. Only steps that verify drafts count (prefills are skipped).
+milliseconds per phase to that file every 10 steps, and counts of what the steps ran (`count`: e.g. the CUDA-graph
+mode of the target forward). Only steps that verify drafts count (prefills are skipped).
 Reading the events synchronizes once per step, so profiled steps are for breakdowns, not for end-to-end timings.
 """
 
@@ -27,6 +28,7 @@ class StepTimer:
         self.skipping = False
         self.gpu_ms: dict[str, float] = defaultdict(float)
         self.host_ms: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
         self.steps = 0
 
     def mark(self, name: str) -> None:
@@ -35,6 +37,11 @@ class StepTimer:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         self.marks.append((name, event, time.perf_counter()))
+
+    def count(self, name: str) -> None:
+        """Count one occurrence of `name` in this profile (totals, not per step)."""
+        if self.path is not None:
+            self.counts[name] += 1
 
     def skip_step(self) -> None:
         """Leave the current step out of the figures: a step without tree verification (a prefill), whose forward
@@ -60,6 +67,7 @@ class StepTimer:
             self.path = path
             self.gpu_ms.clear()
             self.host_ms.clear()
+            self.counts.clear()
             self.steps = 0
 
     def write(self) -> None:
@@ -67,6 +75,7 @@ class StepTimer:
             "steps": self.steps,
             "gpu_ms": {k: v / self.steps for k, v in self.gpu_ms.items()},
             "host_ms": {k: v / self.steps for k, v in self.host_ms.items()},
+            "counts": dict(self.counts),
         }
         with open(self.path, "w") as f:
             json.dump(summary, f, indent=1)
@@ -74,6 +83,9 @@ class StepTimer:
 
 class _NoTimer:
     def mark(self, name: str) -> None:
+        pass
+
+    def count(self, name: str) -> None:
         pass
 
     def skip_step(self) -> None:

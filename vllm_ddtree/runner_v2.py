@@ -166,6 +166,8 @@ def _wrap_model_state_prepare_attn(model_state, state: DDTreeV2State, device: to
         if builder is None or metadata is None:
             return metadata
         if state.step is not None and not for_capture:
+            mode = kwargs.get("cudagraph_mode", args[0] if args else None)
+            state.timer.count(f"target_cudagraph_{getattr(mode, 'name', mode)}")  # FULL expected for uniform steps
             state.timer.mark("vllm_attention_metadata")
             builder.attach(state.step, metadata)
             state.timer.mark("tree_attention_metadata")

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_ddtree.profiling import step_timer
+
 
 def _params(fn) -> list[str]:
     return list(inspect.signature(fn).parameters)
@@ -188,7 +190,7 @@ def test_target_metadata_gets_this_steps_tree_at_runtime_and_a_chain_at_capture(
     budget, num_reqs = 4, 2
     width = budget + 1
     state = DDTreeV2State(budget=budget, depth=3)
-    state.timer = SimpleNamespace(mark=lambda name: None)
+    state.timer = step_timer(torch.device("cpu"))  # the no-op timer
     state.attention = TreeAttentionMetadataBuilder(
         {"target.0"}, PersistentTreeBuffers.allocate(8, width, torch.device("cpu"))
     )
@@ -240,7 +242,7 @@ def test_speculator_keeps_each_requests_tree_in_its_slot_and_returns_its_nodes(m
     monkeypatch.setattr(speculator_v2.DFlashSpeculator, "propose", dflash_propose)
     spec = object.__new__(DDTreeSpeculator)
     spec.model = SimpleNamespace(compute_logits=lambda h: h, combine_hidden_states=lambda h: h * 1.0)
-    spec.budget, spec.depth, spec.topk, spec.timer = budget, depth, k, SimpleNamespace(mark=lambda name: None)
+    spec.budget, spec.depth, spec.topk, spec.timer = budget, depth, k, step_timer(torch.device("cpu"))
     spec.top_token_ids = torch.zeros(max_reqs * depth, k, dtype=torch.int64)
     spec.top_log_probs = torch.zeros(max_reqs * depth, k)
     spec.tree_parents = torch.full((max_reqs, budget + 1), -7, dtype=torch.int64)
