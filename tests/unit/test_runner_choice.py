@@ -128,3 +128,18 @@ def test_engine_shutdown_gives_the_next_in_process_engine_a_fresh_cuda_graph_poo
     shutdown_llm(llm)
     assert stopped == [1]
     assert platform_class._global_graph_pool is None
+
+
+def test_registration_hooks_both_runners_whatever_the_runner_variable_says(monkeypatch):
+    """The runner is chosen per engine config, after registration: session 16's benchmark registered the plugin
+    (method `none` first) before VLLM_DDTREE_RUNNER=v2 was set for its DDTree methods, and those ran vLLM's own
+    DFlash on V2 because the V2 hooks had not been installed."""
+    import vllm_ddtree
+    from vllm_ddtree.compat import GPUModelRunner, v2_model_runner_module
+
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v1")
+    vllm_ddtree.register()
+    v2 = v2_model_runner_module()
+    assert GPUModelRunner.__dict__.get("_ddtree_hooked") is True
+    assert v2.GPUModelRunner.__dict__.get("_ddtree_hooked") is True
+    assert v2.init_speculator.__module__ == "vllm_ddtree.runner_v2"
