@@ -92,7 +92,16 @@ def choose_model_runner(is_ddtree, logger) -> None:
                 f"VLLM_USE_V2_MODEL_RUNNER={int(vllm_env)} asks vLLM for {_RUNNER_NAMES[bool(vllm_env)]}; "
                 f"unset one of them (or set {RUNNER_ENV}=auto to follow vLLM's choice)."
             )
-        use_v2 = original.fget(self) if runner == "auto" else runner == "v2"
+        if runner != "auto":
+            use_v2 = runner == "v2"
+        else:
+            vllm_picks_v2 = original.fget(self)
+            use_v2 = auto_runner_is_v2(vllm_picks_v2, vllm_env is not None, VLLM_VERSION)
+            if vllm_picks_v2 and not use_v2:
+                logger.warning_once(
+                    "DDTree: on the V1 model runner, not Model Runner V2 as vLLM picks: DDTree's V2 hooks are verified "
+                    "on vLLM %s only and this is %s (%s=v2 uses them anyway).", V2_VERIFIED_VLLM, VLLM_VERSION, RUNNER_ENV,
+                )  # fmt: skip
         logger.info_once("DDTree: on %s (%s=%s).", _RUNNER_NAMES[use_v2], RUNNER_ENV, runner)
         return use_v2
 
@@ -102,6 +111,18 @@ def choose_model_runner(is_ddtree, logger) -> None:
 
 RUNNER_ENV = "VLLM_DDTREE_RUNNER"
 RUNNER_CHOICES = ("auto", "v1", "v2")
+# vLLM releases on which DDTree's Model Runner V2 hooks ran end to end (the H200, session 16). 0.32's V2 moves the
+# DFlash context precompute into the draft graph and can shard sampling across TP ranks (docs/model-runner-v2.md,
+# section 6), which the hooks do not handle yet.
+V2_VERIFIED_VLLM = "0.26"
+
+
+def auto_runner_is_v2(vllm_picks_v2: bool, vllm_runner_explicit: bool, vllm_version: str) -> bool:
+    """VLLM_DDTREE_RUNNER=auto: vLLM's choice, except that an implicit V2 on a vLLM release where DDTree's V2 hooks
+    are not verified becomes V1 (an explicit VLLM_USE_V2_MODEL_RUNNER=1 stands)."""
+    if not vllm_picks_v2 or vllm_runner_explicit:
+        return vllm_picks_v2
+    return vllm_version == V2_VERIFIED_VLLM or vllm_version.startswith(V2_VERIFIED_VLLM + ".")
 _RUNNER_NAMES = {False: "the V1 model runner (GPUModelRunner)", True: "Model Runner V2"}
 
 
@@ -342,6 +363,7 @@ __all__ = [
     "model_runner_for",
     "v2_dflash_speculator_class",
     "v2_model_runner_module",
+    "auto_runner_is_v2",
     "requested_runner",
     "v2_sampling",
     "validation_error",

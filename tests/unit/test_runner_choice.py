@@ -143,3 +143,21 @@ def test_registration_hooks_both_runners_whatever_the_runner_variable_says(monke
     assert GPUModelRunner.__dict__.get("_ddtree_hooked") is True
     assert v2.GPUModelRunner.__dict__.get("_ddtree_hooked") is True
     assert v2.init_speculator.__module__ == "vllm_ddtree.runner_v2"
+
+
+@pytest.mark.parametrize(
+    "vllm_picks_v2, explicit, version, expected",
+    [
+        (True, False, "0.26.0", True),  # the H200's vLLM, where the V2 hooks ran end to end
+        (True, False, "0.26.3", True),
+        (True, False, "0.32.0", False),  # V2 hooks not verified there: V1, with a warning
+        (True, False, "0.260.0", False),
+        (True, True, "0.32.0", True),  # an explicit VLLM_USE_V2_MODEL_RUNNER=1 stands
+        (False, False, "0.26.0", False),
+        (False, True, "0.26.0", False),
+    ],
+)
+def test_auto_takes_vllms_v2_only_where_ddtrees_v2_hooks_are_verified(vllm_picks_v2, explicit, version, expected):
+    from vllm_ddtree.compat import auto_runner_is_v2
+
+    assert auto_runner_is_v2(vllm_picks_v2, explicit, version) is expected
