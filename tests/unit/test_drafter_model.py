@@ -288,6 +288,13 @@ def test_training_starts_from_a_saved_drafter(tmp_path, one_cpu_thread):
     kept_weights = load_file(str(kept / "model.safetensors"))
     assert all(torch.equal(kept_weights[name], weights[name]) for name in weights)
 
+    grown = train(TrainConfig(**dict(cfg, num_layers=2), out=str(tmp_path / "grown"), steps=0, init_from=str(first)),
+                  prompt_ids=prompts)
+    assert json.loads((grown / "config.json").read_text())["num_hidden_layers"] == 2
+    grown_weights = load_file(str(grown / "model.safetensors"))
+    assert all(torch.equal(grown_weights[name], weights[name]) for name in weights)  # the first layer kept
+    assert not grown_weights["layers.1.self_attn.o_proj.weight"].any()  # the added one starts as the identity
+
     trained = train(TrainConfig(**cfg, out=str(tmp_path / "trained"), steps=2, init_from=str(first)),
                     prompt_ids=prompts)
     trained_weights = load_file(str(trained / "model.safetensors"))
@@ -297,3 +304,33 @@ def test_training_starts_from_a_saved_drafter(tmp_path, one_cpu_thread):
     with pytest.raises(ValueError, match="does not fit this target"):
         train(TrainConfig(**dict(cfg, target=str(other)), out=str(tmp_path / "other-run"), steps=0,
                           init_from=str(first)), prompt_ids=prompts)
+
+
+def test_added_layers_start_as_the_identity_and_then_train(tmp_path):
+    """`add_layers`: a grown drafter gives exactly the outputs of the one it grew from (new layers' output
+    projections at zero), every new weight gets a gradient within two steps, and it saves and loads as a
+    drafter with more layers."""
+    drafter = tiny_drafter()
+    block = torch.full((2, 2, 4), MASK)
+    block[:, :, 0] = torch.tensor([[5, 9], [7, 11]])
+    features, anchors = torch.randn(2, 10, 2 * H), torch.tensor([[3, 7], [2, 6]])
+    before = drafter(block, anchors, features)
+    drafter.add_layers(4)
+    assert len(drafter.layers) == drafter.config.num_hidden_layers == 4
+    assert torch.equal(drafter(block, anchors, features), before)
+
+    optimizer = torch.optim.SGD(drafter.parameters(), lr=0.1)
+    new_params = [p for layer in drafter.layers[2:] for p in layer.parameters()]
+    for _ in range(2):
+        optimizer.zero_grad()
+        drafter.logits(drafter(block, anchors, features)).logsumexp(-1).mean().backward()
+        optimizer.step()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in new_params if p.dim() == 2)
+
+    drafter.save(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["num_hidden_layers"] == 4
+    loaded = DFlashDrafter.load(tmp_path)
+    loaded.attach_target(drafter.embed_weight, drafter.lm_head_weight)
+    torch.testing.assert_close(loaded(block, anchors, features), drafter(block, anchors, features))
+    with pytest.raises(ValueError, match="only added"):
+        drafter.add_layers(3)

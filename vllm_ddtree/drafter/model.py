@@ -237,13 +237,28 @@ class DFlashDrafter(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=std)
+        _init_linears(self, std)
         # Scale the residual branches' outputs so that a fresh drafter starts near the embedding.
         for layer in self.layers:
             layer.self_attn.o_proj.weight.data.mul_(1 / math.sqrt(2 * len(self.layers)))
             layer.mlp["down_proj"].weight.data.mul_(1 / math.sqrt(2 * len(self.layers)))
+
+    def add_layers(self, num_layers: int, std: float = 0.02) -> None:
+        """Grow to `num_layers` decoder layers. The new layers go after the existing ones with their output
+        projections (attention `o_proj`, MLP `down_proj`) at zero, so each starts as the identity on the residual
+        stream and the drafter's outputs do not change until training moves them: more capacity for a drafter
+        trained further (`TrainConfig.init_from`)."""
+        have = len(self.layers)
+        if num_layers < have:
+            raise ValueError(f"num_layers={num_layers} is below this drafter's {have} layers; layers are only added")
+        weight = self.fc.weight
+        for _ in range(num_layers - have):
+            layer = DrafterLayer(self.config).to(device=weight.device, dtype=weight.dtype)
+            _init_linears(layer, std)
+            nn.init.zeros_(layer.self_attn.o_proj.weight)
+            nn.init.zeros_(layer.mlp["down_proj"].weight)
+            self.layers.append(layer)
+        self.config.num_hidden_layers = num_layers
 
     def attach_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         """Share the target's input embedding [V, H] and LM head [V, H] (frozen, not in the state dict)."""
@@ -305,6 +320,12 @@ class DFlashDrafter(nn.Module):
         if missing or unexpected:
             raise ValueError(f"{path}: missing weights {missing}, unexpected weights {unexpected}")
         return drafter.to(device)
+
+
+def _init_linears(module: nn.Module, std: float) -> None:
+    for sub in module.modules():
+        if isinstance(sub, nn.Linear):
+            nn.init.normal_(sub.weight, std=std)
 
 
 def block_attention_mask(

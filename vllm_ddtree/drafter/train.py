@@ -64,6 +64,7 @@ class TrainConfig:
     resume: bool = False
     # A saved drafter folder (e.g. the shipped one) to start from instead of random weights: its architecture
     # (block size, layers, target layers, mask token) is kept and must fit the target; `resume` wins over it.
+    # A `num_layers` above its layer count adds identity-initialised layers (`DFlashDrafter.add_layers`).
     init_from: str | None = None
 
 
@@ -452,6 +453,9 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
     elif cfg.init_from:
         drafter = DFlashDrafter.load(cfg.init_from, device)
         _check_fits_target(drafter, text_config, cfg.init_from)
+        if cfg.num_layers > len(drafter.layers):
+            print(f"init_from: {len(drafter.layers)} -> {cfg.num_layers} layers (new ones start as the identity)")
+            drafter.add_layers(cfg.num_layers)
     else:
         drafter = DFlashDrafter(make_drafter_config(text_config, cfg, tokenizer)).to(device)
         _init_from_target(drafter, target)
