@@ -70,9 +70,9 @@ def choose_model_runner(is_ddtree, logger) -> None:
     `is_ddtree(speculative_config)`, and log the runner DDTree runs on.
 
     "auto" (the default) keeps vLLM's own choice: Model Runner V2 for most models on vLLM 0.26's GPU build, the V1
-    runner where vLLM falls back (CPU, features V2 lacks, VLLM_USE_V2_MODEL_RUNNER=0); DDTree's hooks for both are
-    installed. "v1" / "v2" force one, and a VLLM_USE_V2_MODEL_RUNNER that says the opposite is refused with the
-    fix. Idempotent.
+    runner where vLLM falls back (CPU, features V2 lacks, VLLM_USE_V2_MODEL_RUNNER=0) or where DDTree's V2 hooks
+    are not verified (`auto_runner_is_v2`); DDTree's hooks for both are installed. "v1" / "v2" force one, and a
+    VLLM_USE_V2_MODEL_RUNNER that says the opposite is refused with the fix. Idempotent.
     """
     import vllm.envs as envs
     from vllm.config import VllmConfig
@@ -96,11 +96,13 @@ def choose_model_runner(is_ddtree, logger) -> None:
             use_v2 = runner == "v2"
         else:
             vllm_picks_v2 = original.fget(self)
-            use_v2 = auto_runner_is_v2(vllm_picks_v2, vllm_env is not None, VLLM_VERSION)
+            tp_size = getattr(getattr(self, "parallel_config", None), "tensor_parallel_size", 1)
+            use_v2 = auto_runner_is_v2(vllm_picks_v2, vllm_env is not None, VLLM_VERSION, tp_size)
             if vllm_picks_v2 and not use_v2:
                 logger.warning_once(
                     "DDTree: on the V1 model runner, not Model Runner V2 as vLLM picks: DDTree's V2 hooks are verified "
-                    "on vLLM %s only and this is %s (%s=v2 uses them anyway).", V2_VERIFIED_VLLM, VLLM_VERSION, RUNNER_ENV,
+                    "on vLLM %s without tensor parallelism only, and this is vLLM %s with tensor_parallel_size=%d "
+                    "(%s=v2 uses them anyway).", V2_VERIFIED_VLLM, VLLM_VERSION, tp_size, RUNNER_ENV,
                 )  # fmt: skip
         logger.info_once("DDTree: on %s (%s=%s).", _RUNNER_NAMES[use_v2], RUNNER_ENV, runner)
         return use_v2
@@ -111,19 +113,23 @@ def choose_model_runner(is_ddtree, logger) -> None:
 
 RUNNER_ENV = "VLLM_DDTREE_RUNNER"
 RUNNER_CHOICES = ("auto", "v1", "v2")
+_RUNNER_NAMES = {False: "the V1 model runner (GPUModelRunner)", True: "Model Runner V2"}
 # vLLM releases on which DDTree's Model Runner V2 hooks ran end to end (the H200, session 16). 0.32's V2 moves the
 # DFlash context precompute into the draft graph and can shard sampling across TP ranks (docs/model-runner-v2.md,
 # section 6), which the hooks do not handle yet.
 V2_VERIFIED_VLLM = "0.26"
 
 
-def auto_runner_is_v2(vllm_picks_v2: bool, vllm_runner_explicit: bool, vllm_version: str) -> bool:
-    """VLLM_DDTREE_RUNNER=auto: vLLM's choice, except that an implicit V2 on a vLLM release where DDTree's V2 hooks
-    are not verified becomes V1 (an explicit VLLM_USE_V2_MODEL_RUNNER=1 stands)."""
+def auto_runner_is_v2(
+    vllm_picks_v2: bool, vllm_runner_explicit: bool, vllm_version: str, tensor_parallel_size: int = 1
+) -> bool:
+    """VLLM_DDTREE_RUNNER=auto: vLLM's choice, except that an implicit V2 where DDTree's V2 hooks are not verified
+    (a vLLM release other than 0.26; tensor parallelism, verified on V1 only: session 13) becomes V1. An explicit
+    VLLM_USE_V2_MODEL_RUNNER=1 stands."""
     if not vllm_picks_v2 or vllm_runner_explicit:
         return vllm_picks_v2
-    return vllm_version == V2_VERIFIED_VLLM or vllm_version.startswith(V2_VERIFIED_VLLM + ".")
-_RUNNER_NAMES = {False: "the V1 model runner (GPUModelRunner)", True: "Model Runner V2"}
+    verified_release = vllm_version == V2_VERIFIED_VLLM or vllm_version.startswith(V2_VERIFIED_VLLM + ".")
+    return verified_release and tensor_parallel_size == 1
 
 
 def requested_runner() -> str:

@@ -146,18 +146,19 @@ def test_registration_hooks_both_runners_whatever_the_runner_variable_says(monke
 
 
 @pytest.mark.parametrize(
-    "vllm_picks_v2, explicit, version, expected",
+    "vllm_picks_v2, explicit, version, tp, expected",
     [
-        (True, False, "0.26.0", True),  # the H200's vLLM, where the V2 hooks ran end to end
-        (True, False, "0.26.3", True),
-        (True, False, "0.32.0", False),  # V2 hooks not verified there: V1, with a warning
-        (True, False, "0.260.0", False),
-        (True, True, "0.32.0", True),  # an explicit VLLM_USE_V2_MODEL_RUNNER=1 stands
-        (False, False, "0.26.0", False),
-        (False, True, "0.26.0", False),
+        (True, False, "0.26.0", 1, True),  # the H200's vLLM, where the V2 hooks ran end to end
+        (True, False, "0.26.3", 1, True),
+        (True, False, "0.32.0", 1, False),  # V2 hooks not verified there: V1, with a warning
+        (True, False, "0.260.0", 1, False),
+        (True, False, "0.26.0", 2, False),  # tensor parallelism: verified on V1 only
+        (True, True, "0.32.0", 2, True),  # an explicit VLLM_USE_V2_MODEL_RUNNER=1 stands
+        (False, False, "0.26.0", 1, False),
+        (False, True, "0.26.0", 1, False),
     ],
 )
-def test_auto_takes_vllms_v2_only_where_ddtrees_v2_hooks_are_verified(vllm_picks_v2, explicit, version, expected):
+def test_auto_takes_vllms_v2_only_where_ddtrees_v2_hooks_are_verified(vllm_picks_v2, explicit, version, tp, expected):
     from vllm_ddtree.compat import auto_runner_is_v2
 
-    assert auto_runner_is_v2(vllm_picks_v2, explicit, version) is expected
+    assert auto_runner_is_v2(vllm_picks_v2, explicit, version, tp) is expected
