@@ -334,3 +334,21 @@ def test_added_layers_start_as_the_identity_and_then_train(tmp_path):
     torch.testing.assert_close(loaded(block, anchors, features), drafter(block, anchors, features))
     with pytest.raises(ValueError, match="only added"):
         drafter.add_layers(3)
+
+
+def test_phase_clock_times_one_step_in_every_n():
+    from vllm_ddtree.drafter.train import PhaseClock
+
+    clock = PhaseClock(torch.device("cpu"), every=3)
+    timed = []
+    for step in range(6):
+        clock.start(step)
+        clock.lap("a")
+        clock.lap("b")
+        if clock.on:
+            timed.append((step, sorted(clock.laps)))
+    assert timed == [(2, ["a", "b"]), (5, ["a", "b"])]
+    never = PhaseClock(torch.device("cpu"), every=0)
+    never.start(0)
+    never.lap("a")
+    assert not never.on and never.laps == {}

@@ -18,6 +18,7 @@ import json
 import math
 import random
 import shutil
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -355,6 +356,31 @@ def simulate_acceptance(drafter: DFlashDrafter, target, seqs: list[Sequence], pa
     return 1.0 + accepted / max(1, drafts)
 
 
+class PhaseClock:
+    """Milliseconds per phase of one training step in every `every` (0: never), with a device sync at each
+    boundary of that step only, so the log says where a step's time goes (`laps` of the timed step)."""
+
+    def __init__(self, device: torch.device, every: int):
+        self.device, self.every = device, every
+        self.on, self.laps, self._last = False, {}, 0.0
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def start(self, step: int) -> None:
+        self.on, self.laps = bool(self.every) and (step + 1) % self.every == 0, {}
+        if self.on:
+            self._last = self._now()
+
+    def lap(self, name: str) -> None:
+        if self.on:
+            now = self._now()
+            self.laps[name] = round((now - self._last) * 1e3, 2)
+            self._last = now
+
+
 def _lr_lambda(cfg: TrainConfig):
     def schedule(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -491,17 +517,26 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
                                       drafter.config.mask_token_id, pad_id, random.Random(cfg.seed + 1))
     curve: list[dict] = list(state.get("heldout_curve", [])) if ckpt is not None else []  # kept across resumes
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="training", unit="step")
+    clock = PhaseClock(device, every=cfg.eval_every)
     for step in bar:
+        clock.start(step)
         batch = sample_blocks(rng.sample(seqs, min(cfg.batch_size, len(seqs))), drafter.config.block_size,
                               cfg.anchors_per_seq, drafter.config.mask_token_id, pad_id, rng)
+        clock.lap("sample_blocks")
         features = target_features(target, batch.input_ids.to(device), batch.seq_lens.to(device), layer_ids)
+        clock.lap("target_features")
         with autocast:
             loss, accuracy = block_loss(drafter, batch, features, cfg.loss_decay)
+        clock.lap("drafter_and_loss")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        clock.lap("backward")
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
+        clock.lap("optimizer")
+        if clock.on:
+            bar.write(json.dumps({"step": step + 1, "phase_ms": clock.laps}))
         if (step + 1) % 10 == 0 or step + 1 == cfg.steps:  # reading the loss waits for the GPU: not every step
             lr = scheduler.get_last_lr()[0]
             bar.set_postfix(dict(loss=f"{loss.item():.3f}", acc1=f"{accuracy[0].item():.2f}", lr=f"{lr:.1e}"))
