@@ -4,9 +4,9 @@ The DFlash pass runs exactly as V2 runs it (inputs kernel, context K/V, the quer
 Two things change:
 - inside the captured graph, `sample_draft` keeps each position's top-K tokens and their float32 log-probs in
   persistent buffers (the chain's argmax is their first column);
-- after the pass, one launch builds the best-`budget` tree per request from them (`tree_from_top_tokens`). Its
-  parents and depths are kept by request slot (`req_state_idx`, V2's per-request state index), for the step
-  that verifies it; `propose` returns its B node tokens, which V2 stores as the request's draft tokens.
+- after the pass, one launch builds the best-`budget` tree per request from them (`trees_into_slots_`: roots read
+  and parents/depths written by request slot, `req_state_idx`, V2's per-request state index), for the step that
+  verifies it; `propose` returns its B node tokens, which V2 stores as the request's draft tokens.
 
 Before the pass the accepted path's context rows move to the front of each request (`accepted_path_moves`, set
 by the verifier), so DFlash's own "first num_sampled rows are the new context" rule reads root + path.
@@ -19,7 +19,7 @@ import torch
 from vllm_ddtree.compat import v2_dflash_speculator_class
 from vllm_ddtree.config import drafting_config
 from vllm_ddtree.profiling import step_timer
-from vllm_ddtree.tree.build import top_tokens, topk_per_depth, tree_from_top_tokens
+from vllm_ddtree.tree.build import top_tokens, topk_per_depth, trees_into_slots_
 
 DFlashSpeculator = v2_dflash_speculator_class()
 _NO_TIMER = step_timer(torch.device("cpu"))  # a no-op until the runner sets its own
@@ -84,14 +84,14 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.timer.mark("draft")
         num_reqs, depth = input_batch.num_reqs, self.depth
         rows = num_reqs * depth
-        slots = input_batch.idx_mapping.to(torch.int64)  # [R] request slots
-        tree = tree_from_top_tokens(
+        token_ids = trees_into_slots_(
             self.top_token_ids[:rows].view(num_reqs, depth, -1),
             self.top_log_probs[:rows].view(num_reqs, depth, -1),
-            last_sampled.view(-1)[slots],  # [max_reqs, 1] in 0.26
+            last_sampled.view(-1),  # [max_reqs, 1] in 0.26: the root of each request slot
+            input_batch.idx_mapping,  # [R] request slots
             self.budget,
-        )
-        self.tree_parents[slots] = tree.parents
-        self.tree_depths[slots] = tree.depths
+            self.tree_parents,
+            self.tree_depths,
+        )  # fmt: skip
         self.timer.mark("tree_build")
-        return tree.token_ids[:, 1:]  # [R, B]
+        return token_ids[:, 1:]  # [R, B]

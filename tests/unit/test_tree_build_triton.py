@@ -1,5 +1,6 @@
 """The Triton tree kernels give exactly the tensor-op versions' results: the best-first builder
-(tree/triton_build.py) the torch builder's trees, the ancestor mask (tree/triton_layout.py) and the walk
+(tree/triton_build.py) the torch builder's trees (also written by request slot, Model Runner V2's form), the
+ancestor mask (tree/triton_layout.py) and the walk
 (tree/triton_walk.py) the pointer-doubling versions' masks and paths, and its fused form (walk + accepted-path
 moves + sampler output) the verify.scorer functions' results, and the step layout (verify/triton_step.py)
 `build_tree_step`'s torch path, and the FULL-graph tree inputs (tree/triton_layout.py) the persistent builder's
@@ -59,11 +60,36 @@ def compare(seed: int = 0) -> int:
             for name, value in zip(("token_ids", "parents", "depths", "log_probs"), got):
                 assert torch.equal(value, getattr(expected, name)), (case, name, value, getattr(expected, name))
             assert torch.equal(ancestor_mask_triton(expected.parents), ancestor_mask(expected.parents)), case
+            if checked % 5 == 0:  # a fifth of the cases (the interpreter is slow): the slot form only moves rows
+                check_trees_by_slot(lp, tok, roots, expected, gen, case)
             check_walk(expected, depth, gen, walk_tree, walk_tree_triton, case)
             check_step_layout(expected, gen, case)
             check_padded_tree_inputs(expected, gen, case)
             checked += 1
     return checked
+
+
+def check_trees_by_slot(lp, tok, roots, expected, gen, case) -> None:
+    """Model Runner V2's form: roots read and parents/depths written by request slot (int32 slots, as V2's
+    idx_mapping), other slots' rows untouched."""
+    import torch
+
+    from vllm_ddtree.tree.triton_build import best_first_tree
+
+    num_req, n = expected.parents.shape
+    num_slots = num_req + 3
+    slots = torch.randperm(num_slots, generator=gen)[:num_req]
+    last_tokens = torch.full((num_slots,), -5, dtype=torch.int64)
+    last_tokens[slots] = roots
+    parents = torch.full((num_slots, n), -9, dtype=torch.int64)
+    depths = parents.clone()
+    token_ids, *_ = best_first_tree(lp, tok, last_tokens, n, slots=slots.to(torch.int32), parents=parents,
+                                    depths=depths)  # fmt: skip
+    assert torch.equal(token_ids, expected.token_ids), case
+    assert torch.equal(parents[slots], expected.parents) and torch.equal(depths[slots], expected.depths), case
+    others = torch.ones(num_slots, dtype=torch.bool)
+    others[slots] = False
+    assert (parents[others] == -9).all() and (depths[others] == -9).all(), case
 
 
 def check_walk(tree, depth: int, gen, walk_tree, walk_tree_triton, case) -> None:

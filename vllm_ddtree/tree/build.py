@@ -51,7 +51,7 @@ import torch
 
 from vllm_ddtree.tree.dispatch import use_triton
 
-__all__ = ["DraftTree", "build_draft_tree", "max_tree_nodes", "top_tokens", "tree_from_top_tokens"]
+__all__ = ["DraftTree", "build_draft_tree", "max_tree_nodes", "top_tokens", "tree_from_top_tokens", "trees_into_slots_"]
 
 
 @dataclass
@@ -290,3 +290,26 @@ def tree_from_top_tokens(
         return DraftTree(*best_first_tree(log_probs, token_ids, root_token_ids, budget + 1))
     slots = _flatten_beams(_depth_beams(log_probs, token_ids, budget), root_token_ids)
     return _pick_nodes(slots, budget + 1)
+
+
+def trees_into_slots_(
+    token_ids: torch.Tensor,  # [R, D, K] per-depth top tokens, best first
+    log_probs: torch.Tensor,  # [R, D, K] float32, non-increasing along K
+    last_tokens: torch.Tensor,  # [S] the last verified token of every request slot (the roots)
+    slots: torch.Tensor,  # [R] request slot of each request
+    budget: int,
+    parents: torch.Tensor,  # [S, B + 1] int64, the trees kept by request slot (rows `slots` overwritten)
+    depths: torch.Tensor,  # [S, B + 1] int64
+) -> torch.Tensor:
+    """`tree_from_top_tokens` for requests kept by slot (Model Runner V2): the roots are read and the parents and
+    depths written by slot. Returns the [R, B + 1] node tokens. One Triton launch on CUDA, nothing around it."""
+    if use_triton(log_probs):
+        from vllm_ddtree.tree.triton_build import best_first_tree
+
+        return best_first_tree(log_probs, token_ids, last_tokens, budget + 1, slots=slots, parents=parents,
+                               depths=depths)[0]  # fmt: skip
+    rows = slots.to(torch.int64)
+    tree = tree_from_top_tokens(token_ids, log_probs, last_tokens[rows], budget)
+    parents[rows] = tree.parents
+    depths[rows] = tree.depths
+    return tree.token_ids

@@ -23,20 +23,26 @@ import triton.language as tl
 def _best_first_kernel(
     lp_ptr,  # [R, D, K] float32 per-depth top-K log-probs, non-increasing along K
     tok_ptr,  # [R, D, K] int64 their token ids
-    root_ptr,  # [R] int64 root tokens
+    root_ptr,  # [R] root tokens ([S] by request slot with BY_SLOT)
+    rows_ptr,  # [R] request slot of each request (BY_SLOT only)
     out_tok_ptr,  # [R, N] int64
-    out_parent_ptr,  # [R, N] int64
-    out_depth_ptr,  # [R, N] int64
+    out_parent_ptr,  # [R, N] int64 ([S, N] by request slot with BY_SLOT)
+    out_depth_ptr,  # [R, N] int64 ([S, N] by request slot with BY_SLOT)
     out_lp_ptr,  # [R, N] float32
     D,
     K,
     N,
     FRONTIER: tl.constexpr,  # power of two >= N
+    BY_SLOT: tl.constexpr,  # parents, depths and the root token by request slot (Model Runner V2's kept trees)
 ):
     req = tl.program_id(0).to(tl.int64)
     lp_base = lp_ptr + req * D * K
     tok_base = tok_ptr + req * D * K
     out = req * N
+    kept_row = req
+    if BY_SLOT:
+        kept_row = tl.load(rows_ptr + req).to(tl.int64)
+    kept = kept_row * N
     slot = tl.arange(0, FRONTIER)
 
     # Frontier entry: a prefix not yet popped = (depth, rank of its last token, parent node, parent's score).
@@ -49,9 +55,9 @@ def _best_first_kernel(
     f_score = tl.where(first, 0.0 + tl.load(lp_base), 0.0)
     size = tl.program_id(0) * 0 + 1  # int32 like its updates (a loop-carried value keeps one type)
 
-    tl.store(out_tok_ptr + out, tl.load(root_ptr + req))
-    tl.store(out_parent_ptr + out, -1)
-    tl.store(out_depth_ptr + out, 0)
+    tl.store(out_tok_ptr + out, tl.load(root_ptr + kept_row).to(tl.int64))
+    tl.store(out_parent_ptr + kept, -1)
+    tl.store(out_depth_ptr + kept, 0)
     tl.store(out_lp_ptr + out, 0.0)
 
     for node in range(1, N):
@@ -66,8 +72,8 @@ def _best_first_kernel(
         row = (depth - 1) * K
 
         tl.store(out_tok_ptr + out + node, tl.load(tok_base + row + rank))
-        tl.store(out_parent_ptr + out + node, parent.to(tl.int64))
-        tl.store(out_depth_ptr + out + node, depth.to(tl.int64))
+        tl.store(out_parent_ptr + kept + node, parent.to(tl.int64))
+        tl.store(out_depth_ptr + kept + node, depth.to(tl.int64))
         tl.store(out_lp_ptr + out + node, best)
 
         # The popped slot takes the next sibling, or empties when the rank was the last.
@@ -89,18 +95,36 @@ def _best_first_kernel(
         size += has_child.to(tl.int32)
 
 
-def best_first_tree(lp: torch.Tensor, tok: torch.Tensor, root_token_ids: torch.Tensor, num_nodes: int):
-    """(token_ids, parents, depths, log_probs), each [R, num_nodes], from per-depth top-K `lp`/`tok` [R, D, K]."""
+def best_first_tree(
+    lp: torch.Tensor,
+    tok: torch.Tensor,
+    root_token_ids: torch.Tensor,
+    num_nodes: int,
+    slots: torch.Tensor | None = None,
+    parents: torch.Tensor | None = None,
+    depths: torch.Tensor | None = None,
+):
+    """(token_ids, parents, depths, log_probs), each [R, num_nodes], from per-depth top-K `lp`/`tok` [R, D, K].
+
+    With `slots` [R] (integer request slots): request r's root token is root_token_ids[slots[r]] and its parents
+    and depths are written to row slots[r] of the given `parents` / `depths` [S, num_nodes] int64, which are
+    returned as they are (the trees kept by request slot; no gather or scatter around the launch)."""
     num_req, depth, k = lp.shape
     lp = lp.float().contiguous()
     tok = tok.to(torch.int64).contiguous()
     token_ids = torch.empty(num_req, num_nodes, dtype=torch.int64, device=lp.device)
-    parents = torch.empty_like(token_ids)
-    depths = torch.empty_like(token_ids)
+    by_slot = slots is not None
+    if by_slot:
+        assert parents is not None and depths is not None and parents.is_contiguous() and depths.is_contiguous()
+        assert parents.shape[1] == depths.shape[1] == num_nodes
+    else:
+        parents = torch.empty_like(token_ids)
+        depths = torch.empty_like(token_ids)
     log_probs = torch.empty(num_req, num_nodes, dtype=torch.float32, device=lp.device)
+    roots = root_token_ids.contiguous()
     if num_req:
         _best_first_kernel[(num_req,)](
-            lp, tok, root_token_ids.to(torch.int64).contiguous(), token_ids, parents, depths, log_probs,
-            depth, k, num_nodes, FRONTIER=triton.next_power_of_2(num_nodes),
-        )
+            lp, tok, roots, slots if by_slot else roots, token_ids, parents, depths, log_probs,
+            depth, k, num_nodes, FRONTIER=triton.next_power_of_2(num_nodes), BY_SLOT=by_slot,
+        )  # fmt: skip
     return token_ids, parents, depths, log_probs
