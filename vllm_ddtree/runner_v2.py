@@ -23,7 +23,7 @@ from vllm_ddtree import config as ddtree_config
 from vllm_ddtree.attention.layers import wrap_target_layers
 from vllm_ddtree.attention.metadata import TreeAttentionMetadataBuilder, dummy_tree_step, tree_attention_builder
 from vllm_ddtree.runner import configure_cuda_graphs, hook
-from vllm_ddtree.verify.step import TreeStep, build_tree_step
+from vllm_ddtree.verify.step import TreeStep, UniformStepLayouts, build_tree_step, build_uniform_tree_step
 
 
 @dataclass
@@ -37,6 +37,7 @@ class DDTreeV2State:
     kv_tables: dict = field(default_factory=dict)  # device address tables of the layers' caches
     block_tables: object = None  # V2's BlockTables: slot_mappings [num_groups, max_tokens]
     timer: object = None  # profiling.StepTimer when VLLM_DDTREE_PROFILE is set, else a no-op
+    uniform_layouts: UniformStepLayouts | None = None  # per-batch-size constants of uniform steps
 
     @property
     def width(self) -> int:
@@ -89,6 +90,7 @@ def install_v2_runner_hooks() -> None:
 
         self._ddtree = DDTreeV2State(budget=settings["budget"], depth=settings["depth"])
         self._ddtree.timer = step_timer(self.device)
+        self._ddtree.uniform_layouts = UniformStepLayouts(self._ddtree.width, self.device)
         if self.speculator is not None:  # None on pipeline stages before the last
             self.speculator.timer = self._ddtree.timer
         logger.info(
@@ -142,15 +144,26 @@ def install_v2_runner_hooks() -> None:
             state.timer.skip_step()  # no verification: not a decode step of the profile
         else:
             speculator = self.speculator
-            state.step = build_tree_step(
-                num_drafts.tolist(),
-                input_batch.logits_indices,
-                speculator.tree_parents,
-                speculator.tree_depths,
-                input_batch.idx_mapping_np.tolist(),
-                state.width,
-                positions=input_batch.positions,  # tree positions: root + depth
-            )
+            if num_drafts.min() == num_drafts.max() == state.budget:  # the decode steps: nothing from the host
+                state.step = build_uniform_tree_step(
+                    state.uniform_layouts,
+                    input_batch.num_reqs,
+                    input_batch.logits_indices,
+                    speculator.tree_parents,
+                    speculator.tree_depths,
+                    input_batch.idx_mapping,  # the trees are kept by request slot
+                    positions=input_batch.positions,  # tree positions: root + depth
+                )
+            else:
+                state.step = build_tree_step(
+                    num_drafts.tolist(),
+                    input_batch.logits_indices,
+                    speculator.tree_parents,
+                    speculator.tree_depths,
+                    input_batch.idx_mapping_np.tolist(),
+                    state.width,
+                    positions=input_batch.positions,  # tree positions: root + depth
+                )
             state.timer.mark("tree_layout")
         return result
 

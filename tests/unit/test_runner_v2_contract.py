@@ -264,3 +264,33 @@ def test_speculator_keeps_each_requests_tree_in_its_slot_and_returns_its_nodes(m
     assert torch.equal(drafts, want.token_ids[:, 1:])
     assert torch.equal(spec.tree_parents[[4, 1]], want.parents) and torch.equal(spec.tree_depths[[4, 1]], want.depths)
     assert (spec.tree_parents[[0, 2, 3, 5]] == -7).all()  # other slots untouched
+
+
+def test_uniform_step_layout_equals_the_general_one():
+    """V2's decode steps take `build_uniform_tree_step` (per-batch-size constants, the kept trees by request slot
+    read through V2's int32 idx_mapping, nothing from the host): the same TreeStep and positions as
+    `build_tree_step`."""
+    from vllm_ddtree.tree import build_draft_tree
+    from vllm_ddtree.verify.step import UniformStepLayouts, build_tree_step, build_uniform_tree_step
+
+    budget, num_reqs, num_slots = 6, 3, 5
+    width = budget + 1
+    gen = torch.Generator().manual_seed(0)
+    kept = build_draft_tree(torch.randn(num_slots, 4, 20, generator=gen) * 2, torch.arange(num_slots), budget)
+    slots = torch.tensor([4, 0, 2], dtype=torch.int32)
+    logits_indices = (torch.arange(num_reqs * width) + 3).to(torch.int32)  # three prefill tokens first
+    general_positions = torch.randint(0, 300, (num_reqs * width + 3,), generator=gen)
+    uniform_positions = general_positions.clone()
+    general = build_tree_step([budget] * num_reqs, logits_indices, kept.parents, kept.depths, slots.tolist(), width,
+                              positions=general_positions)  # fmt: skip
+    layouts = UniformStepLayouts(width, torch.device("cpu"))
+    for _ in range(2):  # the second step reuses the batch size's constants
+        positions = uniform_positions.clone()
+        uniform = build_uniform_tree_step(layouts, num_reqs, logits_indices, kept.parents, kept.depths, slots,
+                                          positions=positions)  # fmt: skip
+        for field in ("num_nodes", "parents", "depths", "node_rows", "node_token_index", "tree_reqs",
+                      "num_walk_nodes"):  # fmt: skip
+            assert torch.equal(getattr(uniform, field), getattr(general, field)), field
+        assert np.array_equal(uniform.num_nodes_cpu, general.num_nodes_cpu)
+        assert np.array_equal(uniform.tree_reqs_cpu, general.tree_reqs_cpu)
+        assert torch.equal(positions, general_positions)

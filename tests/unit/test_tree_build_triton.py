@@ -137,10 +137,10 @@ def check_step_layout(tree, gen, case) -> None:
         step = build_tree_step(num_draft, logits_indices, tree.parents, tree.depths, prev_rows, width,
                                positions=expected_positions)  # fmt: skip
     kept_rows = torch.tensor([r if n else -1 for r, n in zip(prev_rows, num_draft)], device=device)
-    for with_positions in (True, False):
+    for with_positions, rows_dtype in ((True, torch.int64), (False, torch.int32)):  # int32: V2's idx_mapping
         got_positions = positions.clone()
-        got = tree_step_layout_triton_(step.num_nodes, step.node_rows, kept_rows, tree.parents, tree.depths,
-                                       logits_indices, got_positions if with_positions else None)  # fmt: skip
+        got = tree_step_layout_triton_(step.num_nodes, step.node_rows, kept_rows.to(rows_dtype), tree.parents,
+                                       tree.depths, logits_indices, got_positions if with_positions else None)  # fmt: skip
         for name, value in zip(("parents", "depths", "node_token_index"), got):
             assert torch.equal(value, getattr(step, name)), (case, kind, name, value, getattr(step, name))
         assert torch.equal(got_positions, expected_positions if with_positions else positions), (case, kind)

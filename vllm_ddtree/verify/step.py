@@ -106,6 +106,67 @@ def build_tree_step(
     return step
 
 
+class UniformStepLayouts:
+    """The host-side part of `build_tree_step` for uniform verification steps (every request has B drafts and a kept
+    tree: Model Runner V2's decode steps), computed and uploaded once per batch size instead of every step."""
+
+    def __init__(self, width: int, device: torch.device):
+        self.width, self.device = width, device
+        self._by_num_reqs: dict[int, tuple] = {}
+
+    def constants(self, num_reqs: int) -> tuple:
+        """(num_nodes [R], node_rows [R, N], node [R, N], tree_reqs [T = R]) on the device, and their host copies
+        (num_nodes_cpu, tree_reqs_cpu)."""
+        if num_reqs not in self._by_num_reqs:
+            width = self.width
+            num_nodes_cpu = np.full(num_reqs, width, dtype=np.int64)
+            tree_reqs_cpu = np.arange(num_reqs, dtype=np.int64)
+            node_rows = torch.arange(num_reqs * width, dtype=torch.int64, device=self.device).view(num_reqs, width)
+            node = torch.arange(width, dtype=torch.int64, device=self.device).expand(num_reqs, width).contiguous()
+            device_part = (torch.from_numpy(num_nodes_cpu).to(self.device), node_rows, node,
+                           torch.from_numpy(tree_reqs_cpu).to(self.device))  # fmt: skip
+            self._by_num_reqs[num_reqs] = (*device_part, num_nodes_cpu, tree_reqs_cpu)
+        return self._by_num_reqs[num_reqs]
+
+
+def build_uniform_tree_step(
+    layouts: UniformStepLayouts,
+    num_reqs: int,
+    logits_indices: torch.Tensor,  # [R * N] scheduled-token index of each logits row
+    prev_parents: torch.Tensor,  # [S, N] the trees kept by request slot
+    prev_depths: torch.Tensor,  # [S, N]
+    kept_rows: torch.Tensor,  # [R] integer, device: the request slot of each request (V2's idx_mapping)
+    positions: torch.Tensor | None = None,  # [num_tokens] if given, tree positions are set
+) -> TreeStep:
+    """`build_tree_step` for a uniform step, with nothing computed or uploaded from the host: the same TreeStep as
+    `build_tree_step([B] * R, logits_indices, prev_parents, prev_depths, kept_rows.tolist(), N, positions)`."""
+    num_nodes, node_rows, node, tree_reqs, num_nodes_cpu, tree_reqs_cpu = layouts.constants(num_reqs)
+    on_triton = use_triton(logits_indices)
+    if on_triton:
+        from vllm_ddtree.verify.triton_step import tree_step_layout_triton_
+
+        parents, depths, node_token_index = tree_step_layout_triton_(
+            num_nodes, node_rows, kept_rows, prev_parents, prev_depths, logits_indices, positions
+        )
+    else:
+        parents, depths = _layout_torch(num_nodes, node, kept_rows.to(torch.int64), prev_parents, prev_depths)
+        node_token_index = logits_indices.to(torch.int64)[node_rows]
+    step = TreeStep(
+        num_nodes=num_nodes,
+        parents=parents,
+        depths=depths,
+        node_rows=node_rows,
+        node_token_index=node_token_index,
+        num_nodes_cpu=num_nodes_cpu,
+        tree_reqs_cpu=tree_reqs_cpu,
+        tree_reqs=tree_reqs,
+        num_walk_nodes=num_nodes,
+    )
+    if positions is not None and not on_triton:
+        tree_positions_(positions, step)
+    return step
+
+
 def _layout_torch(
     num_nodes: torch.Tensor,  # [R]
     node: torch.Tensor,  # [R, N] padded node index
