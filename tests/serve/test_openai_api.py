@@ -309,3 +309,4 @@ def test_server_log_says_what_ddtree_runs(ddtree_server, client):
     client.completions.create(model=MODEL_NAME, prompt="a", max_tokens=2)  # the engine is up and has logged
     log = ddtree_server.log_path.read_text(errors="replace")
     assert f"DDTree: node budget {BUDGET}, tree depth {DEPTH}" in log, log[-3000:]
+    assert "DDTree: on the V1 model runner (GPUModelRunner) (VLLM_DDTREE_RUNNER=auto)." in log, log[-3000:]  # CPU
