@@ -18,21 +18,38 @@ def slot_mapping_of(runner) -> dict[int, torch.Tensor]:
     return {gid: block_tables[gid].slot_mapping.gpu for gid in range(len(runner.kv_cache_config.kv_cache_groups))}
 
 
-def _cache_ptrs(layers: list[torch.nn.Module]) -> tuple[int, ...]:
-    caches = [layer.kv_cache[0] if isinstance(layer.kv_cache, (list, tuple)) else layer.kv_cache for layer in layers]
-    return tuple(cache.data_ptr() for cache in caches)
+def _cache_ptr(layer: torch.nn.Module) -> int:
+    cache = layer.kv_cache[0] if isinstance(layer.kv_cache, (list, tuple)) else layer.kv_cache
+    return cache.data_ptr()
+
+
+def _layer_groups(layers: dict[str, torch.nn.Module], layer_groups: dict[str, int] | None,
+                  tables: dict | None) -> list[tuple[int, list[torch.nn.Module]]]:  # fmt: skip
+    """The layers by KV cache group; kept in `tables` when given (a runner's layers never change: this Python
+    loop over every layer ran each step)."""
+    key = ("groups", id(layers))
+    cached = tables.get(key) if tables is not None else None
+    if cached is None or cached[0] is not layers:  # the entry holds `layers`, so its id is not reused
+        groups: dict[int, list[torch.nn.Module]] = {}
+        for name, layer in layers.items():
+            groups.setdefault(0 if layer_groups is None else layer_groups[name], []).append(layer)
+        cached = (layers, list(groups.items()))
+        if tables is not None:
+            tables[key] = cached
+    return cached[1]
 
 
 def _layer_table(layers: list[torch.nn.Module], tables: dict):
-    """The cached device table of these layers' cache addresses (rebuilt if the caches were reallocated)."""
+    """The cached device table of these layers' cache addresses (`layers`: a group list kept by `_layer_groups`),
+    rebuilt if the caches were reallocated (all together: the first layer's address tells)."""
     from vllm_ddtree.kv.triton_compact import LayerTable
 
-    key, ptrs = tuple(id(layer) for layer in layers), _cache_ptrs(layers)
+    key, ptr = ("table", id(layers)), _cache_ptr(layers[0])
     cached = tables.get(key)
-    if cached is None or cached[0] != ptrs:
+    if cached is None or cached[0] is not layers or cached[1] != ptr:
         views = [paged_kv_for(layer.impl, layer.kv_cache) for layer in layers]
-        cached = tables[key] = (ptrs, LayerTable([v.keys for v in views], [v.values for v in views]))
-    return cached[1]
+        cached = tables[key] = (layers, ptr, LayerTable([v.keys for v in views], [v.values for v in views]))
+    return cached[2]
 
 
 def compact_accepted_kv_(
@@ -44,10 +61,7 @@ def compact_accepted_kv_(
     num_reqs: int | None = None,
     tables: dict | None = None,
 ) -> None:
-    groups: dict[int, list[torch.nn.Module]] = {}
-    for name, layer in layers.items():
-        groups.setdefault(0 if layer_groups is None else layer_groups[name], []).append(layer)
-    for gid, group in groups.items():
+    for gid, group in _layer_groups(layers, layer_groups, tables):
         slots = slot_mappings[gid].to(torch.int64)
         src_slots, dst_slots = slots[src], slots[dst]
         if src.is_cuda and num_reqs and tables is not None:
