@@ -79,7 +79,28 @@ def build_tree_step(
                                        tree_reqs_cpu, kept_rows_cpu, num_walk_nodes_cpu]), device)
     sizes = [num_reqs, num_reqs * width, num_reqs * width, tree_reqs_cpu.size, num_reqs, num_reqs]
     num_nodes, node_rows, node, tree_reqs, kept_rows, num_walk_nodes = torch.split(packed, sizes)
-    node_rows = node_rows.view(num_reqs, width)
+    return _lay_out(
+        num_nodes, node_rows.view(num_reqs, width), node.view(num_reqs, width), tree_reqs, kept_rows, num_walk_nodes,
+        num_nodes_cpu, tree_reqs_cpu, logits_indices, prev_parents, prev_depths, positions,
+    )  # fmt: skip
+
+
+def _lay_out(
+    num_nodes: torch.Tensor,  # [R]
+    node_rows: torch.Tensor,  # [R, N] logits row of each (padded) node
+    node: torch.Tensor,  # [R, N] padded node index
+    tree_reqs: torch.Tensor,  # [T]
+    kept_rows: torch.Tensor,  # [R] row of the request's kept tree in prev_*, -1: none
+    num_walk_nodes: torch.Tensor,  # [R]
+    num_nodes_cpu: np.ndarray,
+    tree_reqs_cpu: np.ndarray,
+    logits_indices: torch.Tensor,
+    prev_parents: torch.Tensor | None,
+    prev_depths: torch.Tensor | None,
+    positions: torch.Tensor | None,
+) -> TreeStep:
+    """The device part of a step's layout from its index tensors: parents, depths, token indices (one Triton launch
+    on CUDA) and, if given, the tree positions."""
     on_triton = use_triton(logits_indices)
     if on_triton:
         from vllm_ddtree.verify.triton_step import tree_step_layout_triton_
@@ -88,7 +109,7 @@ def build_tree_step(
             num_nodes, node_rows, kept_rows, prev_parents, prev_depths, logits_indices, positions
         )
     else:
-        parents, depths = _layout_torch(num_nodes, node.view(num_reqs, width), kept_rows, prev_parents, prev_depths)
+        parents, depths = _layout_torch(num_nodes, node, kept_rows.to(torch.int64), prev_parents, prev_depths)
         node_token_index = logits_indices.to(torch.int64)[node_rows]
     step = TreeStep(
         num_nodes=num_nodes,
@@ -141,30 +162,10 @@ def build_uniform_tree_step(
     """`build_tree_step` for a uniform step, with nothing computed or uploaded from the host: the same TreeStep as
     `build_tree_step([B] * R, logits_indices, prev_parents, prev_depths, kept_rows.tolist(), N, positions)`."""
     num_nodes, node_rows, node, tree_reqs, num_nodes_cpu, tree_reqs_cpu = layouts.constants(num_reqs)
-    on_triton = use_triton(logits_indices)
-    if on_triton:
-        from vllm_ddtree.verify.triton_step import tree_step_layout_triton_
-
-        parents, depths, node_token_index = tree_step_layout_triton_(
-            num_nodes, node_rows, kept_rows, prev_parents, prev_depths, logits_indices, positions
-        )
-    else:
-        parents, depths = _layout_torch(num_nodes, node, kept_rows.to(torch.int64), prev_parents, prev_depths)
-        node_token_index = logits_indices.to(torch.int64)[node_rows]
-    step = TreeStep(
-        num_nodes=num_nodes,
-        parents=parents,
-        depths=depths,
-        node_rows=node_rows,
-        node_token_index=node_token_index,
-        num_nodes_cpu=num_nodes_cpu,
-        tree_reqs_cpu=tree_reqs_cpu,
-        tree_reqs=tree_reqs,
-        num_walk_nodes=num_nodes,
-    )
-    if positions is not None and not on_triton:
-        tree_positions_(positions, step)
-    return step
+    return _lay_out(
+        num_nodes, node_rows, node, tree_reqs, kept_rows, num_nodes, num_nodes_cpu, tree_reqs_cpu, logits_indices,
+        prev_parents, prev_depths, positions,
+    )  # fmt: skip
 
 
 def _layout_torch(
