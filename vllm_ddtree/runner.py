@@ -47,7 +47,7 @@ class DDTreeRunnerState:
     moves: tuple[torch.Tensor, torch.Tensor] | None = None  # (src, dst) scheduled-token indices
     # Set once the KV cache exists.
     layers: dict = field(default_factory=dict)  # target attention layers by name
-    layer_groups: dict[str, int] = field(default_factory=dict)  # KV cache group of each layer
+    layer_groups: list = field(default_factory=list)  # [(gid, layers)] the target layers by KV cache group
     attention: TreeAttentionMetadataBuilder | None = None
     kv_tables: dict = field(default_factory=dict)  # device address tables of the layers' caches (GPU)
     timer: object = None  # profiling.StepTimer when VLLM_DDTREE_PROFILE is set, else a no-op
@@ -231,10 +231,9 @@ def install_runner_hooks() -> None:
         )
         state.timer.mark("walk")
         compact_accepted_kv_(
-            state.layers,
+            state.layer_groups,
             *state.moves,
             slot_mapping_of(self),
-            state.layer_groups,
             num_reqs=step.parents.shape[0],
             tables=state.kv_tables,
         )

@@ -32,7 +32,7 @@ class DDTreeV2State:
     depth: int
     step: TreeStep | None = None
     layers: dict = field(default_factory=dict)  # target attention layers by name
-    layer_groups: dict[str, int] = field(default_factory=dict)  # KV cache group of each layer
+    layer_groups: list = field(default_factory=list)  # [(gid, layers)] the target layers by KV cache group
     attention: TreeAttentionMetadataBuilder | None = None
     kv_tables: dict = field(default_factory=dict)  # device address tables of the layers' caches
     block_tables: object = None  # V2's BlockTables: slot_mappings [num_groups, max_tokens]

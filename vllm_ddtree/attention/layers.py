@@ -21,14 +21,23 @@ def target_attention_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module
     return layers
 
 
-def wrap_target_layers(model: torch.nn.Module, kv_cache_config) -> tuple[dict[str, torch.nn.Module], dict[str, int]]:
-    """The target's attention layers, wrapped for tree verification (`wrap_tree_attention`), and the KV cache group
-    of every layer of vLLM's `kv_cache_config` (the index of its slot mapping)."""
+def wrap_target_layers(model: torch.nn.Module, kv_cache_config):
+    """The target's attention layers by name, wrapped for tree verification (`wrap_tree_attention`), and the same
+    layers by KV cache group of vLLM's `kv_cache_config` (`layers_by_kv_group`)."""
     layers = target_attention_layers(model)
     for layer in layers.values():
         wrap_tree_attention(layer)
-    groups = {name: gid for gid, group in enumerate(kv_cache_config.kv_cache_groups) for name in group.layer_names}
-    return layers, groups
+    return layers, layers_by_kv_group(layers, kv_cache_config)
+
+
+def layers_by_kv_group(layers: dict[str, torch.nn.Module], kv_cache_config) -> list[tuple[int, list[torch.nn.Module]]]:
+    """[(gid, layers)]: the layers of each KV cache group (gid indexes the group's slot mapping), in layer order.
+    Built once per KV cache; KV compaction walks it every step."""
+    group_of = {name: gid for gid, group in enumerate(kv_cache_config.kv_cache_groups) for name in group.layer_names}
+    groups: dict[int, list[torch.nn.Module]] = {}
+    for name, layer in layers.items():
+        groups.setdefault(group_of[name], []).append(layer)
+    return list(groups.items())
 
 
 def check_layer_supported(layer: torch.nn.Module) -> None:

@@ -23,25 +23,10 @@ def _cache_ptr(layer: torch.nn.Module) -> int:
     return cache.data_ptr()
 
 
-def _layer_groups(layers: dict[str, torch.nn.Module], layer_groups: dict[str, int] | None,
-                  tables: dict | None) -> list[tuple[int, list[torch.nn.Module]]]:  # fmt: skip
-    """The layers by KV cache group; kept in `tables` when given (a runner's layers never change: this Python
-    loop over every layer ran each step)."""
-    key = ("groups", id(layers))
-    cached = tables.get(key) if tables is not None else None
-    if cached is None or cached[0] is not layers:  # the entry holds `layers`, so its id is not reused
-        groups: dict[int, list[torch.nn.Module]] = {}
-        for name, layer in layers.items():
-            groups.setdefault(0 if layer_groups is None else layer_groups[name], []).append(layer)
-        cached = (layers, list(groups.items()))
-        if tables is not None:
-            tables[key] = cached
-    return cached[1]
-
-
 def _layer_table(layers: list[torch.nn.Module], tables: dict):
-    """The cached device table of these layers' cache addresses (`layers`: a group list kept by `_layer_groups`),
-    rebuilt if the caches were reallocated (all together: the first layer's address tells)."""
+    """The cached device table of these layers' cache addresses (`layers`: a group list of the runner's state,
+    `attention.layers.layers_by_kv_group`), rebuilt if the caches were reallocated (all together: the first layer's
+    address tells)."""
     from vllm_ddtree.kv.triton_compact import LayerTable
 
     key, ptr = ("table", id(layers)), _cache_ptr(layers[0])
@@ -53,15 +38,14 @@ def _layer_table(layers: list[torch.nn.Module], tables: dict):
 
 
 def compact_accepted_kv_(
-    layers: dict[str, torch.nn.Module],
+    groups: list[tuple[int, list[torch.nn.Module]]],  # the target layers by KV cache group (`layers_by_kv_group`)
     src: torch.Tensor,  # [R * M] scheduled-token index whose KV moves (request-major, M moves per request)
     dst: torch.Tensor,  # [R * M] scheduled-token index it moves to
     slot_mappings: dict[int, torch.Tensor],  # gid -> [num_tokens] slot per scheduled token
-    layer_groups: dict[str, int] | None = None,
     num_reqs: int | None = None,
     tables: dict | None = None,
 ) -> None:
-    for gid, group in _layer_groups(layers, layer_groups, tables):
+    for gid, group in groups:
         slots = slot_mappings[gid].to(torch.int64)
         src_slots, dst_slots = slots[src], slots[dst]
         if src.is_cuda and num_reqs and tables is not None:

@@ -53,8 +53,8 @@ class TreeVerifier:
         state.timer.mark("walk")
         num_reqs = step.parents.shape[0]
         compact_accepted_kv_(
-            state.layers, *moves, state.slot_mappings(input_batch.num_tokens), state.layer_groups,
-            num_reqs=num_reqs, tables=state.kv_tables,
+            state.layer_groups, *moves, state.slot_mappings(input_batch.num_tokens), num_reqs=num_reqs,
+            tables=state.kv_tables,
         )  # fmt: skip
         state.timer.mark("kv_compaction")
         self.speculator.accepted_path_moves = moves
