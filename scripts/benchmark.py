@@ -82,7 +82,36 @@ def measure(llm, prompts, batch: int, temperature: float, max_tokens: int, seed:
         "ms_per_output_token": 1000 * seconds * batch / tokens,  # per request: `batch` requests run together
         "acceptance_length": 1 + accepted / drafts if drafts else None,
         "acceptance_per_depth": [round(x / drafts, 4) for x in per_pos] if drafts else None,
+        "token_ids": [list(o.outputs[0].token_ids) for o in outputs],  # [prompts][tokens]
     }
+
+
+def greedy_agreement(rows: list[dict], tokens: dict[str, list[list[int]]]) -> str:
+    """Markdown: at T = 0, how far each speculative method's answers stay identical to no speculation's (same
+    prompts, same batch): prompts identical to the end, and the mean index of the first differing token. In bf16
+    every speculative method computes its verified rows with other kernels than one-token decoding, so near-tied
+    argmaxes may flip; DDTree should drift no more than vLLM's chain (issue 3)."""
+    lines = ["| method | batch | identical prompts | mean first difference (tokens) | mean answer length |",
+             "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        base = tokens.get(greedy_key("none", r["batch"]))
+        ours = tokens.get(greedy_key(r["method"], r["batch"]))
+        if r["temperature"] != 0 or r["method"] == "none" or base is None or ours is None:
+            continue
+        firsts = [first_difference(a, b) for a, b in zip(ours, base)]
+        same = sum(a == b for a, b in zip(ours, base))
+        lines.append(f"| {r['method']} | {r['batch']} | {same} / {len(base)} | {sum(firsts) / len(firsts):.1f} | "
+                     f"{sum(map(len, base)) / len(base):.1f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """Index of the first token where two answers differ (the shorter one's length if one extends the other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def greedy_key(method: str, batch: int) -> str:
+    return f"{method}|batch{batch}"
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -212,8 +241,11 @@ def main() -> None:
                          "DDTree on Model Runner V2 (budgets come from --budgets)")
         plan = [(m, by_name.get(m, by_name.get(method_without_runner(m)))) for m in args.methods]
     rows: list[dict] = []
+    greedy_tokens: dict[str, list[list[int]]] = {}  # T = 0 answers by greedy_key, for `greedy_agreement`
     if args.resume and (out / "results.json").is_file():
         rows = json.loads((out / "results.json").read_text())["rows"]
+        if (out / GREEDY_TOKENS).is_file():
+            greedy_tokens = json.loads((out / GREEDY_TOKENS).read_text())
         plan = [m for m in plan if m[0] not in {r["method"] for r in rows}]
     prompts = None
     progress = tqdm(total=len(plan) * len(args.temperatures) * len(args.batch_sizes), desc="benchmark")
@@ -247,6 +279,9 @@ def main() -> None:
             for batch in args.batch_sizes:
                 group = prompts[: max(batch, args.min_prompts)]
                 result = measure(llm, group, batch, temperature, args.max_tokens, 1, not args.stop_at_eos)
+                token_ids = result.pop("token_ids")
+                if temperature == 0:
+                    greedy_tokens[greedy_key(name, batch)] = token_ids
                 rows.append({"method": name, "temperature": temperature, "batch": batch, "prompts": len(group),
                              "init_s": init_s, **result})
                 progress.update()
@@ -254,15 +289,23 @@ def main() -> None:
                                      tok_s=round(result["output_tokens_per_s"], 1))
         shutdown_llm(llm)  # its GPU memory goes back before the next method's engine starts
         del llm
-        write_results(out, args, rows)  # after every method: a run cut short keeps what it measured
+        write_results(out, args, rows, greedy_tokens)  # after every method: a run cut short keeps what it measured
     progress.close()
     print(markdown_table(rows))
+    print(greedy_agreement(rows, greedy_tokens))
     plot(rows, out)
 
 
-def write_results(out: Path, args, rows: list[dict]) -> None:
+GREEDY_TOKENS = "greedy_tokens.json"
+
+
+def write_results(out: Path, args, rows: list[dict], greedy_tokens: dict | None = None) -> None:
     (out / "results.json").write_text(json.dumps({"setup": vars(args), "rows": rows}, indent=2))
-    (out / "table.md").write_text(markdown_table(rows) + "\n")
+    agreement = ""
+    if greedy_tokens:
+        (out / GREEDY_TOKENS).write_text(json.dumps(greedy_tokens))
+        agreement = greedy_agreement(rows, greedy_tokens)
+    (out / "table.md").write_text(markdown_table(rows) + "\n" + (f"\nT = 0 answers against no speculation's:\n\n{agreement}\n" if agreement else ""))
 
 
 if __name__ == "__main__":

@@ -21,9 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def first_difference(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+from benchmark import first_difference  # noqa: E402  (scripts/ is this script's own folder)
 
 
 def main() -> None:
