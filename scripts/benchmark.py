@@ -221,8 +221,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.plot_from:
         rows = [r for path in args.plot_from for r in json.loads(Path(path).read_text())["rows"]]
+        greedy = [Path(path).with_name(GREEDY_TOKENS) for path in args.plot_from]
+        greedy_tokens = {k: v for path in greedy if path.is_file() for k, v in json.loads(path.read_text()).items()}
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        write_results(Path(args.out), args, rows)
+        write_results(Path(args.out), args, rows, greedy_tokens)
         print(markdown_table(rows))
         plot(rows, Path(args.out))
         return
@@ -301,11 +303,12 @@ GREEDY_TOKENS = "greedy_tokens.json"
 
 def write_results(out: Path, args, rows: list[dict], greedy_tokens: dict | None = None) -> None:
     (out / "results.json").write_text(json.dumps({"setup": vars(args), "rows": rows}, indent=2))
-    agreement = ""
+    table = markdown_table(rows) + "\n"
     if greedy_tokens:
         (out / GREEDY_TOKENS).write_text(json.dumps(greedy_tokens))
         agreement = greedy_agreement(rows, greedy_tokens)
-    (out / "table.md").write_text(markdown_table(rows) + "\n" + (f"\nT = 0 answers against no speculation's:\n\n{agreement}\n" if agreement else ""))
+        table += f"\nT = 0 answers against no speculation's:\n\n{agreement}\n" if agreement else ""
+    (out / "table.md").write_text(table)
 
 
 if __name__ == "__main__":
