@@ -1,16 +1,17 @@
 #!/usr/bin/env python
 """Pack what drafter training needs on the H200 device machine, which has no network and none of the data packages.
 
-    python scripts/gpu_data.py    # writes .gpu/data/pkgs.tar.xz (prompts, the gguf reader), .gpu/g1-g3 (the GGUF)
+    python scripts/gpu_data.py [--part-mib 31]   # writes .gpu/data/pkgs.tar.xz (prompts, the gguf reader), .gpu/g1..gM
 
 `scripts/gpu_train.sh` unpacks the tarball to /tmp/pkgs and puts it on PYTHONPATH: the folders there mirror the installed
 packages' layout (namespace packages holding only the files `vllm_ddtree.drafter.data` and
 `vllm_ddtree.models.smollm2` read), so the same code finds them. ShareGPT keeps only each record's id and first
-human turn (what training reads; the held-out split depends on the id alone). The 98 MB GGUF travels in thirds: one
-device call carries at most 64 MiB, working tree included (~19 MiB with the shipped drafter), so each third (~31 MiB)
-travels with one of the four vLLM bundle parts' calls or alone; `scripts/gpu_stage_data.sh` joins them.
+human turn (what training reads; the held-out split depends on the id alone). The 98 MB GGUF travels in parts of at
+most --part-mib: one device call carries at most 64 MiB, working tree included (the shipped drafter is most of it;
+`scripts/gpu_parts.sh` sizes the parts from it); `scripts/gpu_stage_data.sh` joins them.
 """
 
+import argparse
 import importlib.metadata
 import json
 import shutil
@@ -19,7 +20,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-GGUF_PARTS = 3
 sys.path.insert(0, str(ROOT))
 
 from vllm_ddtree.drafter import data  # noqa: E402
@@ -35,6 +35,9 @@ def mirror(source: str, pkgs: Path) -> Path:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    parser.add_argument("--part-mib", type=int, default=31, help="largest GGUF part (MiB)")
+    args = parser.parse_args()
     gpu = ROOT / ".gpu"
     pkgs = gpu / "data" / "pkgs"
     shutil.rmtree(gpu / "data", ignore_errors=True)
@@ -51,14 +54,16 @@ def main() -> None:
     subprocess.run(["tar", "-C", str(pkgs), "-cJf", str(gpu / "data" / "pkgs.tar.xz"), "."], check=True)
     shutil.rmtree(pkgs)
     blob = gguf_path().read_bytes()
-    third = -(-len(blob) // GGUF_PARTS)
-    for i in range(GGUF_PARTS):
+    num_parts = -(-len(blob) // (args.part_mib * 2**20))
+    part = -(-len(blob) // num_parts)
+    for old in gpu.glob("g[0-9]*"):
+        shutil.rmtree(old)
+    for i in range(num_parts):
         folder = gpu / f"g{i + 1}"
-        shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        (folder / f"{GGUF_FILE}.part{i}").write_bytes(blob[i * third : (i + 1) * third])
-        (folder / "COUNT").write_text(f"{GGUF_PARTS}\n")  # scripts/gpu_stage_data.sh joins once it has them all
-    for folder in ("data", *(f"g{i + 1}" for i in range(GGUF_PARTS))):
+        (folder / f"{GGUF_FILE}.part{i}").write_bytes(blob[i * part : (i + 1) * part])
+        (folder / "COUNT").write_text(f"{num_parts}\n")  # scripts/gpu_stage_data.sh joins once it has them all
+    for folder in ("data", *(f"g{i + 1}" for i in range(num_parts))):
         size = sum(f.stat().st_size for f in (gpu / folder).rglob("*") if f.is_file())
         print(f".gpu/{folder}: {size / 2**20:.1f} MiB")
 

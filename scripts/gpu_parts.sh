@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# Here, before a GPU session: the vLLM bundle in four parts and the data in four folders, each small enough to
-# travel in one device call together with the working tree (a call carries at most 64 MiB; the tree is ~19 MiB
-# since the drafter ships in it, so ../shared/gpu/build_bundle.sh's 59 MiB parts no longer fit).
-#   .gpu/p1-p4  vLLM 0.26.0 bundle, 43 MiB each (stage with `bash .gpu/pN/stage.sh`, the fourth unpacks)
-#   .gpu/data   prompt packages and the gguf reader; .gpu/g1-g3 the SmolLM2 GGUF in thirds (scripts/gpu_data.py)
+# Here, before a GPU session: the vLLM bundle and the data in parts, each small enough to travel in one device call
+# together with the working tree (a call carries at most 64 MiB; the part size is what the tree leaves, so
+# ../shared/gpu/build_bundle.sh's 59 MiB parts do not fit since the drafter ships in the tree).
+#   .gpu/p1..pN  vLLM 0.26.0 bundle (stage with `bash .gpu/pN/stage.sh`, one call each; the last one unpacks)
+#   .gpu/data    prompt packages and the gguf reader; .gpu/g1..gM the SmolLM2 GGUF (scripts/gpu_data.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ../shared/gpu/build_bundle.sh > /dev/null
 cache=${GPU_BUNDLE_CACHE:-$HOME/.cache/gpu-bundle}
+# What travels besides a part: the tracked and untracked-not-ignored files (the shipped drafter is most of it).
+tree_mib=$(git ls-files -co --exclude-standard -z | du --files0-from=- -cb 2>/dev/null | tail -1 | awk '{print int($1 / 1048576) + 1}')
+part_mib=$((64 - tree_mib - 3))  # 3 MiB to spare: .gpu/data (3.1 MiB) travels with the first GGUF part
+echo "working tree ${tree_mib} MiB: parts of ${part_mib} MiB"
 rm -rf .gpu/p* .gpu/split && mkdir -p .gpu/split
-split -b 43M -d "$cache/site.tar.xz" .gpu/split/part
+split -b "${part_mib}M" -d "$cache/site.tar.xz" .gpu/split/part
 n=0
 for f in .gpu/split/part*; do
   n=$((n + 1)); mkdir -p ".gpu/p$n"; mv "$f" ".gpu/p$n/"; cp ../shared/gpu/stage.sh ".gpu/p$n/stage.sh"
 done
 rmdir .gpu/split
 for i in $(seq 1 "$n"); do echo "$n" > ".gpu/p$i/COUNT"; done
-python scripts/gpu_data.py
+python scripts/gpu_data.py --part-mib "$((part_mib - 4))"
 du -sh .gpu/*
