@@ -35,16 +35,28 @@ def methods(drafter: str | None, block_size: int, budgets: list[int]) -> list[tu
     return out
 
 
-def capture_sizes(step_tokens: int) -> list[int]:
-    """Powers of two up to the first >= `step_tokens` (the largest batch's decode step: batch x tokens per request).
+def capture_sizes(tokens_per_request: int, max_num_seqs: int, drafter_block: int = 0) -> list[int]:
+    """CUDA-graph capture sizes under which every method's decode steps replay their graphs at every request count.
 
-    vLLM's default list stops at 512 tokens, so a 16-token speculative step of 64 requests (1,024 tokens) would run
-    without CUDA graphs; ten-odd sizes also start the engine faster than vLLM's ~67.
+    - Every uniform step size r x tokens_per_request (r = 1..max_num_seqs). Model Runner V2 replays a FULL graph for
+      a uniform batch only if the smallest capture size at or above its token count is a multiple of the tokens per
+      request (vLLM's V1 runner rounds the sizes so; V2 does not). With powers of two alone, DDTree's 65 or 17
+      tokens per request fell to piecewise graphs (tree attention eager between the pieces) whenever the request
+      count was not a power of two: 3 requests of B = 64 are 195 tokens, whose bucket is 256 (session 17: DDTree at
+      batches 4-64 ran at 0.4-0.7x of the chain, whose 16 tokens divide every power of two from 16 on).
+    - Powers of two up to the largest decode step, for prefills (vLLM's default list stops at 512 tokens).
+    - The drafter's largest step (block x max_num_seqs): its FULL graphs are uniform too.
     """
-    sizes = [1]
-    while sizes[-1] < step_tokens:
-        sizes.append(sizes[-1] * 2)
-    return sizes
+    largest = tokens_per_request * max_num_seqs
+    sizes = {tokens_per_request * r for r in range(1, max_num_seqs + 1)}
+    power = 1
+    while power < largest:
+        sizes.add(power)
+        power *= 2
+    sizes.add(power)
+    if drafter_block:
+        sizes.add(drafter_block * max_num_seqs)
+    return sorted(sizes)
 
 
 def counters(llm) -> dict:
@@ -212,8 +224,8 @@ def main() -> None:
                         help="prompts per measurement at least: small batch sizes run them in consecutive groups")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None,
-                        help="token counts CUDA graphs are captured for (default: powers of two up to the largest "
-                             "batch's decode step of each method, see capture_sizes)")
+                        help="token counts CUDA graphs are captured for (default: every request count's decode step "
+                             "of each method, and powers of two; see capture_sizes)")
     parser.add_argument("--resume", action="store_true", help="keep --out's results.json and skip methods it has")
     parser.add_argument("--plot-from", nargs="+", default=None, metavar="RESULTS_JSON",
                         help="no engines: merge the rows of earlier results.json files into --out's table and plots")
@@ -257,8 +269,8 @@ def main() -> None:
         # CUDA-graph capture with max_num_seqs = 1 (H200, 2026-11-30); 16 ran in session 12.
         max_num_seqs = max(*args.batch_sizes, 16)
         draft_slots = (spec["num_speculative_tokens"] + 2) if spec else 0
-        step_tokens = max_num_seqs * (1 + (spec["num_speculative_tokens"] if spec else 0))
-        graph_sizes = args.cudagraph_capture_sizes or capture_sizes(step_tokens)
+        tokens_per_request = 1 + (spec["num_speculative_tokens"] if spec else 0)
+        graph_sizes = args.cudagraph_capture_sizes or capture_sizes(tokens_per_request, max_num_seqs, block_size)
         with model_runner_for(name):
             llm = LLM(
                 model=args.target, speculative_config=spec, dtype=args.dtype, max_model_len=args.max_model_len,

@@ -1,4 +1,5 @@
-"""scripts/benchmark.py's report of how far greedy answers drift from no speculation's (issue 3's bf16 check)."""
+"""scripts/benchmark.py: its CUDA-graph capture sizes, and its report of how far greedy answers drift from no
+speculation's (issue 3's bf16 check)."""
 
 import importlib.util
 from pathlib import Path
@@ -42,3 +43,20 @@ def test_greedy_agreement_compares_each_method_with_no_speculation_at_the_same_b
         "| ddtree-B16 | 1 | 0 / 2 | 2.0 | 4.0 |",
     ]
     assert bench.greedy_agreement(rows, {}) == ""  # no T = 0 answers of none: no table
+
+
+def test_capture_sizes_hold_every_request_counts_uniform_step_exactly():
+    """Model Runner V2 replays a uniform batch's FULL graph only when the smallest capture size at or above its token
+    count is a multiple of the tokens per request; with every r x (B + 1) in the list that size is the step itself.
+    Budgets that do not divide a power of two (B + 1 = 65, 17) are the case power-of-two lists got wrong."""
+    bench = load_benchmark()
+    for width, block in ((65, 16), (17, 16), (16, 16), (1, 0)):
+        sizes = bench.capture_sizes(width, 64, block)
+        assert sizes == sorted(set(sizes))
+        for r in range(1, 65):
+            bucket = min(s for s in sizes if s >= r * width)
+            assert bucket == r * width, (width, r, bucket)
+        powers = [s for s in sizes if s & (s - 1) == 0]
+        assert powers[-1] >= 64 * width and 1 in powers  # prefills keep piecewise graphs up to the largest step
+        if block:
+            assert block * 64 in sizes  # the drafter's largest uniform step

@@ -1,0 +1,111 @@
+"""bf16 rounding of the tree attention kernel against torch's FlashAttention, both measured against a float64 reference.
+
+Greedy bf16 output of DDTree drifts from plain vLLM's more than the in-tree DFlash chain's does (session 17). This
+asks whether the kernel is less precise than FlashAttention or only rounds differently: a chain of W nodes over a
+paged context is ordinary causal attention, so both kernels compute the same thing. Needs CUDA, torch and Triton
+only (no vLLM). Prints a table, writes JSON to --out.
+
+    python scripts/attention_precision.py --out /tmp/precision.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vllm_ddtree.attention.triton_tree import tree_attention_triton_  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: only with TRITON_INTERPRET=1 (trying it out)
+
+
+def paged(tokens: torch.Tensor, page: int, order: torch.Tensor) -> torch.Tensor:
+    """[T, Hkv, D] -> [num_blocks, page, Hkv, D], logical block i stored at block order[i]."""
+    num_tokens, num_heads, head_dim = tokens.shape
+    padded = torch.zeros((order.numel() * page, num_heads, head_dim), dtype=tokens.dtype, device=tokens.device)
+    padded[:num_tokens] = tokens
+    cache = torch.zeros_like(padded).view(-1, page, num_heads, head_dim)
+    cache[order] = padded.view(-1, page, num_heads, head_dim)
+    return cache
+
+
+def errors(out: torch.Tensor, reference: torch.Tensor) -> dict:
+    diff = (out.double() - reference).abs()
+    return {"max_abs": diff.max().item(), "mean_abs": diff.mean().item()}
+
+
+def case(context: int, width: int, q_scale: float, dtype: torch.dtype, seed: int) -> dict:
+    """One request: `context` keys, then a chain of `width` nodes (node i sees the context and nodes <= i)."""
+    heads, kv_heads, head_dim, page = 9, 3, 64, 16  # SmolLM2-135M's attention
+    gen = torch.Generator().manual_seed(seed)
+    total = context + width
+    q = (torch.randn(width, heads, head_dim, generator=gen) * q_scale).to(dtype).to(DEVICE)
+    k = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    v = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    scale = head_dim**-0.5
+    # float64 reference from the same rounded inputs
+    group = heads // kv_heads
+    k64, v64 = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)  # [T, Hq, D]
+    scores = torch.einsum("whd,thd->hwt", q.double(), k64) * scale  # [Hq, W, T]
+    visible = torch.arange(total, device=DEVICE)[None, :] <= context + torch.arange(width, device=DEVICE)[:, None]
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    reference = torch.einsum("hwt,thd->whd", scores.softmax(-1), v64)  # [W, Hq, D]
+
+    order = torch.randperm(math.ceil(total / page), generator=gen).to(DEVICE)
+    keys, values = paged(k, page, order), paged(v, page, order)
+    block_table = order.to(torch.int32)[None, :]  # [1, num_blocks]
+    ours = torch.full((width, heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    one = lambda x: torch.tensor([x], dtype=torch.int64, device=DEVICE)  # noqa: E731
+    mask = torch.tril(torch.ones(width, width, dtype=torch.uint8, device=DEVICE))[None]
+    tree_attention_triton_(q, keys, values, block_table, one(0), one(total), one(width), mask, total, scale, ours)
+
+    result = {"context": context, "width": width, "q_scale": q_scale, "dtype": str(dtype).split(".")[-1],
+              "ours": errors(ours, reference)}  # fmt: skip
+    if dtype in (torch.float16, torch.bfloat16):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention.bias import causal_lower_right
+
+        qh = q.transpose(0, 1)[None]  # [1, Hq, W, D]
+        kh = k.repeat_interleave(group, 1).transpose(0, 1)[None]  # [1, Hq, T, D]
+        vh = v.repeat_interleave(group, 1).transpose(0, 1)[None]
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            flash = torch.nn.functional.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=causal_lower_right(width, total), scale=scale
+            )[0].transpose(0, 1)  # [W, Hq, D]
+        result["flash"] = errors(flash, reference)
+        result["identical_to_flash"] = (ours == flash).float().mean().item()
+        result["ours_over_flash_mean_error"] = result["ours"]["mean_abs"] / max(result["flash"]["mean_abs"], 1e-30)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="attention_precision.json")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[64, 300, 1000, 4000])
+    parser.add_argument("--widths", type=int, nargs="+", default=[17, 65], help="nodes per tree (B + 1)")
+    args = parser.parse_args()
+    rows = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for context in args.contexts:
+            for width in args.widths:
+                for q_scale in (1.0, 4.0):  # 4: peaked softmax, as trained models' attention often is
+                    rows.append(case(context, width, q_scale, dtype, seed=len(rows)))
+    print("| dtype | context | nodes | q scale | ours mean / max abs error | flash mean / max | ours / flash | bitwise = flash |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        flash = r.get("flash")
+        print(f"| {r['dtype']} | {r['context']} | {r['width']} | {r['q_scale']} | {r['ours']['mean_abs']:.2e} / "
+              f"{r['ours']['max_abs']:.2e} | "
+              + (f"{flash['mean_abs']:.2e} / {flash['max_abs']:.2e} | {r['ours_over_flash_mean_error']:.2f} | "
+                 f"{r['identical_to_flash']:.3f} |" if flash else "- | - | - |"))  # fmt: skip
+    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
