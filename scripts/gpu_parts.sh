@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 cache=${GPU_BUNDLE_CACHE:-$HOME/.cache/gpu-bundle}
 # What travels besides a part: the tracked and untracked-not-ignored files (the shipped drafter is most of it).
 tree_mib=$(git ls-files -co --exclude-standard -z | du --files0-from=- -cb 2>/dev/null | tail -1 | awk '{print int($1 / 1048576) + 1}')
-part_mib=$((64 - tree_mib - 3))  # 3 MiB to spare: .gpu/data (3.1 MiB) travels with the first GGUF part
+part_mib=$((64 - tree_mib - 1))  # 1 MiB to spare
 echo "working tree ${tree_mib} MiB: parts of ${part_mib} MiB"
 rm -rf .gpu/p* .gpu/split && mkdir -p .gpu/split
 split -b "${part_mib}M" -d "$cache/site.tar.xz" .gpu/split/part
@@ -20,5 +20,5 @@ for f in .gpu/split/part*; do
 done
 rmdir .gpu/split
 for i in $(seq 1 "$n"); do echo "$n" > ".gpu/p$i/COUNT"; done
-python scripts/gpu_data.py --part-mib "$((part_mib - 4))"
+python scripts/gpu_data.py --part-mib "$((part_mib - 4))"  # .gpu/data (3.1 MiB) travels with the first GGUF part
 du -sh .gpu/*
