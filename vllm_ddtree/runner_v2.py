@@ -50,6 +50,46 @@ class DDTreeV2State:
         return {gid: table[gid, :num_tokens] for gid in range(table.shape[0])}
 
 
+def request_counts_without_full_graph(
+    capture_sizes: list[int], width: int, max_num_reqs: int, max_capture_size: int
+) -> list[int]:
+    """Request counts r whose uniform verification step (r x width tokens, within the capture sizes) gets no FULL
+    graph from Model Runner V2 (vLLM 0.26's `CudaGraphManager`): a step runs under the graphs of the smallest
+    capture size at or above its token count, and only sizes rounded up to a multiple of `width` hold FULL graphs
+    for uniform batches. Power-of-two sizes with B + 1 = 65 leave out 3 requests (195 tokens -> the 256-token
+    piecewise graph). vLLM's default sizes (steps of 8 to 256 tokens, then 16) leave out none while B + 1 exceeds
+    the step: with B + 1 = 9, the request counts whose steps fall between 256 and 512 tokens are left out."""
+    max_full = min(max_num_reqs * width, max_capture_size)
+    full = {-(-s // width) * width for s in capture_sizes}
+    full = {t for t in full if t <= max_full}
+    buckets = sorted(full | set(capture_sizes))
+    missing = []
+    for r in range(1, max_num_reqs + 1):
+        tokens = r * width
+        bucket = next((t for t in buckets if t >= tokens), None)
+        if bucket is None:
+            break  # above every capture size: no graph at all, by vLLM's own limit (as for every method)
+        if bucket not in full:
+            missing.append(r)
+    return missing
+
+
+def _warn_about_capture_size_gaps(compilation_config, max_num_reqs: int, width: int, logger) -> None:
+    mode = compilation_config.cudagraph_mode
+    sizes = compilation_config.cudagraph_capture_sizes
+    if mode is None or not sizes or mode.decode_mode().name != "FULL":
+        return
+    max_size = compilation_config.max_cudagraph_capture_size
+    missing = request_counts_without_full_graph(sizes, width, max_num_reqs, max_size)
+    if missing:
+        logger.warning(
+            "DDTree: with cudagraph_capture_sizes %s, Model Runner V2 has no FULL CUDA graph for verification steps "
+            "of %s requests (%d tokens each): those steps run piecewise, with tree attention eager (several times "
+            "slower). Add the sizes %s to cudagraph_capture_sizes (r x %d tokens).",
+            sizes, missing, width, [r * width for r in missing], width,
+        )  # fmt: skip
+
+
 def _is_uniform_verification(input_batch, width: int) -> bool:
     return input_batch.num_tokens == input_batch.num_reqs * width and int(input_batch.num_scheduled_tokens.max()) == width
 
@@ -120,6 +160,7 @@ def install_v2_runner_hooks() -> None:
             state.attention = tree_attention_builder(
                 state.layers, mode, self.max_num_reqs, state.width, self.device, logger
             )
+            _warn_about_capture_size_gaps(self.compilation_config, self.max_num_reqs, state.width, logger)
         return result
 
     @hook(runner_cls, "execute_model")

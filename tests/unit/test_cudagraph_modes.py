@@ -48,3 +48,46 @@ def test_opting_out_leaves_piecewise_graphs(mode, expected):
     config = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=mode)
     disable_full_cuda_graphs(config, LOGGER)
     assert config.cudagraph_mode == expected
+
+
+def vllm_default_capture_sizes(max_size: int = 512) -> list[int]:
+    """vLLM 0.26's default list (`VllmConfig._set_cudagraph_sizes`): 1, 2, 4, then steps of 8 to 256, then 16."""
+    return [1, 2, 4] + list(range(8, min(max_size, 256) + 1, 8)) + list(range(272, max_size + 1, 16))
+
+
+def test_model_runner_v2_leaves_tree_steps_without_full_graphs_under_power_of_two_capture_sizes():
+    """Session 17's pair benchmark: capture sizes 1, 2, 4, ..., 8192 and B = 64. The chain's 16-token steps have a
+    FULL graph at every request count; DDTree's 65-token steps only at powers of two, so batches whose requests end
+    at different lengths ran most steps piecewise. vLLM's default sizes and benchmark.py's list leave no gap."""
+    from vllm_ddtree.runner_v2 import request_counts_without_full_graph
+
+    powers = [2**k for k in range(14)]
+    missing = request_counts_without_full_graph(powers, 65, 64, 8192)
+    assert missing[:4] == [3, 5, 6, 7] and not {1, 2, 4, 8, 16, 32, 64} & set(missing)
+    assert request_counts_without_full_graph(powers, 16, 64, 8192) == []  # the chain's B + 1 = 16
+    for width in (65, 17, 16):
+        assert request_counts_without_full_graph(vllm_default_capture_sizes(), width, 256, 512) == []
+    # B + 1 = 9 is below the default list's step of 16 above 256 tokens: 30 requests (270 tokens) -> the 272 bucket
+    small = request_counts_without_full_graph(vllm_default_capture_sizes(), 9, 256, 512)
+    assert 30 in small and min(small) * 9 > 256
+    from test_benchmark_script import load_benchmark
+
+    bench_sizes = load_benchmark().capture_sizes(65, 64, 16)
+    assert request_counts_without_full_graph(bench_sizes, 65, 64, max(bench_sizes)) == []
+
+
+def test_the_gap_is_logged_with_the_sizes_that_close_it(caplog):
+    from vllm_ddtree.runner_v2 import _warn_about_capture_size_gaps
+
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    config = CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, cudagraph_capture_sizes=sizes)
+    config.max_cudagraph_capture_size = 512
+    with caplog.at_level(logging.WARNING, logger="test"):
+        _warn_about_capture_size_gaps(config, 8, 65, LOGGER)
+    assert "verification steps of [3, 5, 6, 7] requests" in caplog.text
+    assert "[195, 325, 390, 455]" in caplog.text  # the sizes to add
+    caplog.clear()
+    config.cudagraph_capture_sizes = vllm_default_capture_sizes()
+    with caplog.at_level(logging.WARNING, logger="test"):
+        _warn_about_capture_size_gaps(config, 8, 65, LOGGER)
+    assert caplog.text == ""
