@@ -314,7 +314,9 @@ GREEDY_TOKENS = "greedy_tokens.json"
 
 
 def write_results(out: Path, args, rows: list[dict], greedy_tokens: dict | None = None) -> None:
-    (out / "results.json").write_text(json.dumps({"setup": vars(args), "rows": rows}, indent=2))
+    switches = {k: v for k, v in os.environ.items() if k.startswith("VLLM_DDTREE_")}  # e.g. VLLM_DDTREE_BACKEND_ROWS
+    setup = {**vars(args), "environment": switches}
+    (out / "results.json").write_text(json.dumps({"setup": setup, "rows": rows}, indent=2))
     table = markdown_table(rows) + "\n"
     if greedy_tokens:
         (out / GREEDY_TOKENS).write_text(json.dumps(greedy_tokens))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device call(s) once the bundle and .gpu/data, .gpu/g1-g3 are staged: scripts/benchmark.py on the default pair
 # (SmolLM2-135M-Instruct bf16 + the shipped drafter, or DRAFTER), held-out prompts, answers end at EOS (at most 256 tokens),
-# CUDA graphs on. METHODS limits one call to some methods; results accumulate in /tmp/pair-bench (--resume).
+# CUDA graphs on. METHODS limits one call to some methods; results accumulate in PAIR_DIR (--resume; default
+# /tmp/pair-bench: a run under other settings, e.g. VLLM_DDTREE_BACKEND_ROWS=1, takes a folder of its own).
 # benchmark.py writes its results after every method straight into $OUT/pair (a call cut by its time limit still
 # brings back what it measured: session 13 lost a whole call's rows to a copy that came after the limit).
 set -uo pipefail
@@ -10,11 +11,12 @@ source scripts/gpu_env.sh
 export PYTHONPATH="/tmp/pkgs:$PYTHONPATH"
 [ -d /tmp/smollm2 ] || python scripts/convert_smollm2.py --out /tmp/smollm2 > "$OUT/convert.log" 2>&1
 drafter=${DRAFTER:-vllm_ddtree/drafters/smollm2-135m-instruct-dflash}
-mkdir -p /tmp/pair-bench "$OUT/pair" && cp /tmp/pair-bench/* "$OUT/pair/" 2>/dev/null
+pair=${PAIR_DIR:-/tmp/pair-bench}
+mkdir -p "$pair" "$OUT/pair" && cp "$pair"/* "$OUT/pair/" 2>/dev/null
 timeout "${BENCH_S:-540}" python scripts/benchmark.py --target /tmp/smollm2 --drafter "$drafter" \
   --budgets 8 16 32 64 128 --batch-sizes ${BATCHES:-1 4 16 64} --temperatures 0 1 --max-tokens 256 --stop-at-eos \
   --min-prompts 16 --out "$OUT/pair" --resume ${METHODS:+--methods $METHODS} > "$OUT/bench_pair.log" 2>&1
 echo "bench rc=$?"
-cp "$OUT"/pair/* /tmp/pair-bench/ 2>/dev/null
+cp "$OUT"/pair/* "$pair"/ 2>/dev/null
 grep -a "Error\|error" "$OUT/bench_pair.log" | grep -v "Warning" | tail -5
 cat "$OUT/pair/table.md" 2>/dev/null

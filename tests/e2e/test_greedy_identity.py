@@ -82,3 +82,15 @@ def test_greedy_with_penalties_identical_to_no_speculation(models, baseline):
     result = run(target, spec, prompts(), params)
     assert result.token_ids == penalized.token_ids
     check_spec_metrics(result, 7, depth=3)
+
+
+@pytest.mark.parametrize("block_size,budget", [(4, 17), (16, 31)])
+def test_backend_rows_option_keeps_greedy_output(models, baseline, greedy_params, block_size, budget, monkeypatch):
+    """VLLM_DDTREE_BACKEND_ROWS=1 (experimental): rows whose ancestors are the nodes before them keep the attention
+    backend's causal output, the others the tree attention's; still token-identical to plain vLLM."""
+    monkeypatch.setenv("VLLM_DDTREE_BACKEND_ROWS", "1")
+    target, drafters = models
+    spec = {"method": "ddtree", "model": drafters[block_size], "num_speculative_tokens": budget}
+    result = run(target, spec, prompts(), greedy_params)
+    assert result.token_ids == baseline.token_ids
+    check_spec_metrics(result, budget, depth=block_size - 1)

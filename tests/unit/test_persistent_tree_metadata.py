@@ -61,3 +61,24 @@ def test_dummy_step_is_a_full_chain_per_request():
     step = dummy_tree_step(3, WIDTH, torch.device("cpu"))
     assert step.num_nodes.tolist() == [WIDTH] * 3 and step.tree_reqs_cpu.tolist() == [0, 1, 2]
     assert step.parents.tolist() == [list(range(-1, WIDTH - 1))] * 3
+
+
+def test_backend_rows_option_fills_its_persistent_buffers(monkeypatch):
+    """VLLM_DDTREE_BACKEND_ROWS=1: the kept rows come from fixed-address buffers in FULL-graph steps, equal to the
+    regular build's for the real requests; padding requests alias request 0's root."""
+    monkeypatch.setenv("VLLM_DDTREE_BACKEND_ROWS", "1")
+    regular = TreeAttentionMetadataBuilder(set())
+    buffers = PersistentTreeBuffers.allocate(MAX_REQS, WIDTH, torch.device("cpu"))
+    persistent = TreeAttentionMetadataBuilder(set(), buffers)
+    for seed, (num_reqs, padded) in enumerate([(3, 4), (5, 8)]):
+        step, backend = uniform_step(num_reqs, seed), backend_metadata(num_reqs, padded, seed)
+        want_rows, want_keep = regular.build(step, backend).backend_rows
+        rows, keep = persistent.build(step, backend).backend_rows
+        assert rows.data_ptr() == buffers.backend_rows.data_ptr()
+        assert keep.data_ptr() == buffers.backend_keep.data_ptr()
+        assert torch.equal(rows[:num_reqs], want_rows) and torch.equal(keep[:num_reqs], want_keep)
+        assert (rows[num_reqs:] == 0).all()
+        assert torch.equal(keep[num_reqs:], keep[:1, :1].expand(padded - num_reqs, WIDTH))
+        assert keep[:num_reqs, 0].all()  # every root row keeps the backend's output
+    monkeypatch.delenv("VLLM_DDTREE_BACKEND_ROWS")
+    assert persistent.build(step, backend).backend_rows is None  # off by default

@@ -126,14 +126,20 @@ def wrap_tree_attention(layer: torch.nn.Module) -> None:
 
     def forward(attn_layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         tree = getattr(attn_metadata, TREE_METADATA, None) if attn_metadata is not None else None
-        if tree is not None and may_skip and tree.covers_all_tokens and query.is_cuda:
+        keep_backend = tree is not None and tree.backend_rows is not None
+        if tree is not None and may_skip and tree.covers_all_tokens and query.is_cuda and not keep_backend:
             result = output  # every row is recomputed below; the KV cache was written before this call
         else:
             result = inner_forward(attn_layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs)
         if tree is not None:
             num_heads, head_size = impl.num_heads, impl.head_size
             out = output.view(-1, num_heads, head_size)
+            if keep_backend:
+                rows, keep = tree.backend_rows  # [T, N]
+                backend_out = out[rows]  # [T, N, Hq, D] the backend's causal rows
             tree_attention_(impl, query.view(-1, num_heads, head_size), kv_cache, tree, out)
+            if keep_backend:
+                out[rows] = torch.where(keep[:, :, None, None], backend_out, out[rows])
         return result
 
     impl.forward = forward

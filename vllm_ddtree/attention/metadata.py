@@ -25,12 +25,43 @@ from vllm_ddtree.verify.step import TreeStep, build_tree_step, to_device
 
 ATTRIBUTE = "ddtree"
 FULL_CUDA_GRAPHS_ENV = "VLLM_DDTREE_FULL_CUDA_GRAPHS"
+BACKEND_ROWS_ENV = "VLLM_DDTREE_BACKEND_ROWS"
 
 
 def full_cuda_graphs_requested() -> bool:
     """Keep vLLM's FULL_AND_PIECEWISE cudagraph mode for DDTree (default); `VLLM_DDTREE_FULL_CUDA_GRAPHS=0` makes
     it PIECEWISE, with tree attention eager between the graph pieces (measured ~1.5-2.5x slower per step)."""
     return os.environ.get(FULL_CUDA_GRAPHS_ENV, "1") != "0"
+
+
+def backend_rows_requested() -> bool:
+    """Experimental, off by default (`VLLM_DDTREE_BACKEND_ROWS=1`): the attention backend also runs its causal pass
+    over all-tree batches, and the rows whose ancestors are exactly the nodes before them (the root and the
+    tree's leading chain) keep its output; the tree kernel's output stands for the other rows. On the GPU those rows
+    then round like vLLM's chain verification and plain decoding (FlashAttention-3), which the tree kernel does not
+    (bf16 greedy drift, docs/benchmarks.md session 17). It costs the backend's pass, which all-tree batches skip
+    otherwise."""
+    return os.environ.get(BACKEND_ROWS_ENV, "0") == "1"
+
+
+def backend_rows(
+    node_mask: torch.Tensor,  # [T, N, N] ancestor masks
+    num_nodes: torch.Tensor,  # [T] valid nodes (0: a padding request)
+    query_start: torch.Tensor,  # [T] scheduled-token index of each request's root
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [T, N] int64, keep [T, N] bool): the scheduled-token row of every node and whether it keeps the
+    backend's causal output (its mask row is causal: node i sees nodes 0..i, so causal attention is tree
+    attention). Entries past a request's last node alias that node, and padding requests alias request 0's root,
+    with the aliased entry's `keep`: duplicate rows then always carry equal values through a gather and a scatter."""
+    num_trees, width = node_mask.shape[0], node_mask.shape[1]
+    node = torch.arange(width, device=node_mask.device)
+    causal = node[None, :] <= node[:, None]  # [N, N]
+    keep = (node_mask.bool() == causal).all(dim=-1) & (node[None, :] < num_nodes[:, None])  # [T, N]
+    real = (num_nodes > 0)[:, None]  # [T, 1]
+    alias_node = torch.where(real, torch.minimum(node[None, :], (num_nodes[:, None] - 1).clamp(min=0)), 0)
+    alias_req = torch.where(real, torch.arange(num_trees, device=node_mask.device)[:, None], 0).expand(-1, width)
+    rows = query_start.to(torch.int64)[alias_req] + alias_node
+    return rows, keep[alias_req, alias_node]
 
 
 @dataclass
@@ -40,6 +71,8 @@ class PersistentTreeBuffers:
     node_mask: torch.Tensor  # [max_reqs, N, N] uint8
     num_nodes: torch.Tensor  # [max_reqs] int32
     context_lens: torch.Tensor  # [max_reqs] int32
+    backend_rows: torch.Tensor  # [max_reqs, N] int64 (`backend_rows`, with VLLM_DDTREE_BACKEND_ROWS=1)
+    backend_keep: torch.Tensor  # [max_reqs, N] bool
 
     @classmethod
     def allocate(cls, max_reqs: int, width: int, device: torch.device) -> "PersistentTreeBuffers":
@@ -47,6 +80,8 @@ class PersistentTreeBuffers:
             node_mask=torch.zeros((max_reqs, width, width), dtype=torch.uint8, device=device),
             num_nodes=torch.zeros(max_reqs, dtype=torch.int32, device=device),
             context_lens=torch.zeros(max_reqs, dtype=torch.int32, device=device),
+            backend_rows=torch.zeros((max_reqs, width), dtype=torch.int64, device=device),
+            backend_keep=torch.zeros((max_reqs, width), dtype=torch.bool, device=device),
         )
 
 
@@ -82,6 +117,9 @@ class TreeAttentionMetadata:
     # With covers_all_tokens: FlashAttention's varlen inputs for the context pass of the split design.
     cu_seqlens_q: torch.Tensor | None = None  # [T + 1] int32, the backend's query_start_loc
     context_lens: torch.Tensor | None = None  # [T] int32, keys before each root
+    # With VLLM_DDTREE_BACKEND_ROWS=1: (rows, keep) of `backend_rows`; the backend's pass runs and its output
+    # stays in the kept rows.
+    backend_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_tree_reqs(self) -> int:
@@ -107,18 +145,22 @@ class TreeAttentionMetadataBuilder:
         max_seq_len = getattr(backend_metadata, "max_seq_len", None)
         if max_seq_len is None:  # backends without a host copy (CPU): one sync per step
             max_seq_len = int(seq_lens.max())
+        query_start = backend_metadata.query_start_loc[tree_reqs].to(torch.int64)
+        node_mask = ancestor_mask(step.parents[tree_reqs])
+        num_nodes = step.num_nodes[tree_reqs]
         return TreeAttentionMetadata(
             tree_reqs=tree_reqs,
             num_nodes_cpu=step.num_nodes_cpu[step.tree_reqs_cpu].tolist(),
-            query_start=backend_metadata.query_start_loc[tree_reqs].to(torch.int64),
+            query_start=query_start,
             seq_lens=seq_lens,
             block_table=backend_metadata.block_table[tree_reqs],
-            node_mask=ancestor_mask(step.parents[tree_reqs]),
-            num_nodes=step.num_nodes[tree_reqs],
+            node_mask=node_mask,
+            num_nodes=num_nodes,
             max_seq_len=int(max_seq_len),
             covers_all_tokens=all_trees,
             cu_seqlens_q=backend_metadata.query_start_loc if all_trees else None,
             context_lens=(seq_lens - step.num_nodes[tree_reqs]).to(torch.int32) if all_trees else None,
+            backend_rows=backend_rows(node_mask, num_nodes, query_start) if backend_rows_requested() else None,
         )
 
     def _build_persistent(self, step: TreeStep, backend_metadata, tree_reqs: torch.Tensor) -> TreeAttentionMetadata:
@@ -139,6 +181,13 @@ class TreeAttentionMetadataBuilder:
             num_nodes[:num_reqs].copy_(step.num_nodes)
             num_nodes[num_reqs:].zero_()
             torch.sub(backend_metadata.seq_lens, num_nodes, out=context_lens)
+        rows = None
+        if backend_rows_requested():
+            rows, keep = buffers.backend_rows[:padded], buffers.backend_keep[:padded]
+            fresh_rows, fresh_keep = backend_rows(node_mask, num_nodes, backend_metadata.query_start_loc[:padded])
+            rows.copy_(fresh_rows)
+            keep.copy_(fresh_keep)
+            rows = (rows, keep)
         return TreeAttentionMetadata(
             tree_reqs=tree_reqs,
             num_nodes_cpu=step.num_nodes_cpu.tolist() + [0] * (padded - num_reqs),
@@ -151,6 +200,7 @@ class TreeAttentionMetadataBuilder:
             covers_all_tokens=True,
             cu_seqlens_q=backend_metadata.query_start_loc,
             context_lens=context_lens,
+            backend_rows=rows,
         )
 
     def attach(self, step: TreeStep, attn_metadata) -> None:
