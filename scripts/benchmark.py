@@ -98,6 +98,27 @@ def measure(llm, prompts, batch: int, temperature: float, max_tokens: int, seed:
     }
 
 
+def fastest_by_batch(rows: list[dict]) -> str:
+    """Markdown: per temperature and batch size, the fastest method and the best DDTree budget, against the chain
+    and no speculation: where a smaller budget wins at larger batches (the input for choosing it automatically)."""
+    lines = ["| temperature | batch | fastest | best DDTree | its tok/s vs dflash | vs none |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for temperature, batch in sorted({(r["temperature"], r["batch"]) for r in rows}):
+        here = [r for r in rows if (r["temperature"], r["batch"]) == (temperature, batch)]
+        same = {r["method"]: r["output_tokens_per_s"] for r in here}
+        trees = {m: v for m, v in same.items() if m.startswith("ddtree")}
+        if not trees:
+            continue
+        best_tree = max(trees, key=trees.get)
+
+        def versus(base: str) -> str:
+            return f"{trees[best_tree] / same[base]:.2f}x" if base in same else "-"
+
+        lines.append(f"| {temperature} | {batch} | {max(same, key=same.get)} | {best_tree} | {versus('dflash')} | "
+                     f"{versus('none')} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def greedy_agreement(rows: list[dict], tokens: dict[str, list[list[int]]]) -> str:
     """Markdown: at T = 0, how far each speculative method's answers stay identical to no speculation's (same
     prompts, same batch): prompts identical to the end, and the mean index of the first differing token. In bf16
@@ -318,6 +339,8 @@ def write_results(out: Path, args, rows: list[dict], greedy_tokens: dict | None 
     setup = {**vars(args), "environment": switches}
     (out / "results.json").write_text(json.dumps({"setup": setup, "rows": rows}, indent=2))
     table = markdown_table(rows) + "\n"
+    fastest = fastest_by_batch(rows)
+    table += f"\nFastest per temperature and batch:\n\n{fastest}\n" if fastest else ""
     if greedy_tokens:
         (out / GREEDY_TOKENS).write_text(json.dumps(greedy_tokens))
         agreement = greedy_agreement(rows, greedy_tokens)

@@ -60,3 +60,16 @@ def test_capture_sizes_hold_every_request_counts_uniform_step_exactly():
         assert powers[-1] >= 64 * width and 1 in powers  # prefills keep piecewise graphs up to the largest step
         if block:
             assert block * 64 in sizes  # the drafter's largest uniform step
+
+
+def test_fastest_by_batch_names_the_best_budget_against_chain_and_none():
+    bench = load_benchmark()
+    speed = {("none", 1): 100, ("dflash", 1): 120, ("ddtree-B64", 1): 160, ("ddtree-B16", 1): 130,
+             ("none", 16): 1000, ("dflash", 16): 900, ("ddtree-B64", 16): 700, ("ddtree-B16", 16): 950}
+    rows = [{"method": m, "temperature": 0.0, "batch": b, "output_tokens_per_s": v} for (m, b), v in speed.items()]
+    lines = bench.fastest_by_batch(rows).splitlines()
+    assert lines[2:] == [
+        "| 0.0 | 1 | ddtree-B64 | ddtree-B64 | 1.33x | 1.60x |",
+        "| 0.0 | 16 | none | ddtree-B16 | 1.06x | 0.95x |",  # the smaller budget wins at the larger batch
+    ]
+    assert bench.fastest_by_batch([r for r in rows if not r["method"].startswith("ddtree")]) == ""
