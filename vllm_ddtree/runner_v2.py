@@ -74,12 +74,19 @@ def request_counts_without_full_graph(
     return missing
 
 
-def _warn_about_capture_size_gaps(compilation_config, max_num_reqs: int, width: int, logger) -> None:
+def _log_cuda_graph_coverage(compilation_config, max_num_reqs: int, width: int, logger) -> None:
     mode = compilation_config.cudagraph_mode
     sizes = compilation_config.cudagraph_capture_sizes
     if mode is None or not sizes or mode.decode_mode().name != "FULL":
         return
     max_size = compilation_config.max_cudagraph_capture_size
+    if max_size is not None and max_size // width < max_num_reqs:
+        logger.info(
+            "DDTree: CUDA graphs cover verification steps of up to %d requests (%d tokens each, "
+            "max_cudagraph_capture_size=%d); steps of more requests run without graphs. "
+            "--max-cudagraph-capture-size %d covers max_num_seqs=%d.",
+            max_size // width, width, max_size, max_num_reqs * width, max_num_reqs,
+        )  # fmt: skip
     missing = request_counts_without_full_graph(sizes, width, max_num_reqs, max_size)
     if missing:
         logger.warning(
@@ -160,7 +167,7 @@ def install_v2_runner_hooks() -> None:
             state.attention = tree_attention_builder(
                 state.layers, mode, self.max_num_reqs, state.width, self.device, logger
             )
-            _warn_about_capture_size_gaps(self.compilation_config, self.max_num_reqs, state.width, logger)
+            _log_cuda_graph_coverage(self.compilation_config, self.max_num_reqs, state.width, logger)
         return result
 
     @hook(runner_cls, "execute_model")

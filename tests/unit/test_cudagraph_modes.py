@@ -77,17 +77,21 @@ def test_model_runner_v2_leaves_tree_steps_without_full_graphs_under_power_of_tw
 
 
 def test_the_gap_is_logged_with_the_sizes_that_close_it(caplog):
-    from vllm_ddtree.runner_v2 import _warn_about_capture_size_gaps
+    from vllm_ddtree.runner_v2 import _log_cuda_graph_coverage
 
     sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
     config = CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, cudagraph_capture_sizes=sizes)
     config.max_cudagraph_capture_size = 512
     with caplog.at_level(logging.WARNING, logger="test"):
-        _warn_about_capture_size_gaps(config, 8, 65, LOGGER)
+        _log_cuda_graph_coverage(config, 8, 65, LOGGER)
     assert "verification steps of [3, 5, 6, 7] requests" in caplog.text
     assert "[195, 325, 390, 455]" in caplog.text  # the sizes to add
     caplog.clear()
+    with caplog.at_level(logging.INFO, logger="test"):
+        _log_cuda_graph_coverage(config, 64, 65, LOGGER)
+    assert "up to 7 requests" in caplog.text and "--max-cudagraph-capture-size 4160" in caplog.text
+    caplog.clear()
     config.cudagraph_capture_sizes = vllm_default_capture_sizes()
     with caplog.at_level(logging.WARNING, logger="test"):
-        _warn_about_capture_size_gaps(config, 8, 65, LOGGER)
+        _log_cuda_graph_coverage(config, 8, 65, LOGGER)
     assert caplog.text == ""
