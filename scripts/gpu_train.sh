@@ -6,7 +6,8 @@
 # Needs the bundle staged and scripts/gpu_stage_data.sh run with .gpu/data and .gpu/g1-g3 carried.
 # A rerun (same warm machine) resumes from the newest checkpoint. INIT_FROM=vllm_ddtree/drafters/smollm2-135m-instruct-dflash
 # starts from the shipped drafter's weights (more steps for the same device time; a new lr schedule); with NUM_LAYERS=4
-# it adds two layers that start as the identity (DFlashDrafter.add_layers).
+# it adds two layers that start as the identity (DFlashDrafter.add_layers). RESPONSES=1 keeps the greedy answers only
+# (half the ~4.4 min of generation; session 17).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -15,7 +16,7 @@ python scripts/convert_smollm2.py --out /tmp/smollm2 > "$OUT/convert.log" 2>&1 |
 resume=""; [ -d /tmp/smollm2-dflash/checkpoints ] && resume="--resume"
 timeout "${TRAIN_S:-540}" python scripts/train_drafter.py --target /tmp/smollm2 --out /tmp/smollm2-dflash \
   --block-size 16 --num-layers "${NUM_LAYERS:-2}" --num-prompts "${PROMPTS:-16000}" --generator "${GENERATOR:-vllm}" \
-  --responses-per-prompt 2 --greedy-first --temperature 0.7 \
+  --responses-per-prompt "${RESPONSES:-2}" --greedy-first --temperature 0.7 \
   --gen-batch-size 256 --steps "${STEPS:-4000}" --weight-decay 0.01 --eval-every 250 \
   --batch-size 32 --loss-decay 7 --save-every 250 $resume ${INIT_FROM:+--init-from "$INIT_FROM"} 2>&1 | tr '\r' '\n' | grep -v "^\s*$" | awk 'NR % 20 == 1 || /Error|error|warning|report|acceptance|heldout|generated|{/' \
   > "$OUT/train.log"
