@@ -79,8 +79,8 @@ def _log_cuda_graph_coverage(compilation_config, max_num_reqs: int, width: int, 
     sizes = compilation_config.cudagraph_capture_sizes
     if mode is None or not sizes or mode.decode_mode().name != "FULL":
         return
-    max_size = compilation_config.max_cudagraph_capture_size
-    if max_size is not None and max_size // width < max_num_reqs:
+    max_size = compilation_config.max_cudagraph_capture_size or max(sizes)
+    if max_size // width < max_num_reqs:
         logger.info(
             "DDTree: CUDA graphs cover verification steps of up to %d requests (%d tokens each, "
             "max_cudagraph_capture_size=%d); steps of more requests run without graphs. "
