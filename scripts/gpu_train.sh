@@ -7,7 +7,8 @@
 # A rerun (same warm machine) resumes from the newest checkpoint. INIT_FROM=vllm_ddtree/drafters/smollm2-135m-instruct-dflash
 # starts from the shipped drafter's weights (more steps for the same device time; a new lr schedule); with NUM_LAYERS=4
 # it adds two layers that start as the identity (DFlashDrafter.add_layers). RESPONSES=1 keeps the greedy answers only
-# (half the ~4.4 min of generation; session 17).
+# (half the ~4.4 min of generation; session 17). Training stops 120 s before TRAIN_S (--time-limit-s) and saves the
+# drafter, a held-out point and the report as at its last step, so a call cut short still brings a drafter back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -18,7 +19,7 @@ timeout "${TRAIN_S:-540}" python scripts/train_drafter.py --target /tmp/smollm2 
   --block-size 16 --num-layers "${NUM_LAYERS:-2}" --num-prompts "${PROMPTS:-16000}" --generator "${GENERATOR:-vllm}" \
   --responses-per-prompt "${RESPONSES:-2}" --greedy-first --temperature 0.7 \
   --gen-batch-size 256 --steps "${STEPS:-4000}" --weight-decay 0.01 --eval-every 250 \
-  --batch-size 32 --loss-decay 7 --save-every 250 $resume ${INIT_FROM:+--init-from "$INIT_FROM"} 2>&1 | tr '\r' '\n' | grep -v "^\s*$" | awk 'NR % 20 == 1 || /Error|error|warning|report|acceptance|heldout|generated|{/' \
+  --batch-size 32 --loss-decay 7 --save-every 250 --time-limit-s "$(( ${TRAIN_S:-540} - 120 ))" $resume ${INIT_FROM:+--init-from "$INIT_FROM"} 2>&1 | tr '\r' '\n' | grep -v "^\s*$" | awk 'NR % 20 == 1 || /Error|error|warning|report|acceptance|heldout|generated|time limit|{/' \
   > "$OUT/train.log"
 echo "train rc=${PIPESTATUS[0]}"; tail -5 "$OUT/train.log"
 if [ -f /tmp/smollm2-dflash/report.json ]; then

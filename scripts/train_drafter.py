@@ -60,6 +60,9 @@ def parse_args(argv=None) -> TrainConfig:
                    help="dtype of the final drafter's weights")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUT")
+    p.add_argument("--time-limit-s", type=float, default=None,
+                   help="stop training this many seconds after the start (generation included), then save and "
+                        "report as at the last step")
     p.add_argument("--init-from", default=None,
                    help="a saved drafter folder to start from (its architecture is kept; a new schedule and optimizer)")
     args = vars(p.parse_args(argv))

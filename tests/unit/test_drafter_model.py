@@ -352,3 +352,22 @@ def test_phase_clock_times_one_step_in_every_n():
     never.start(0)
     never.lap("a")
     assert not never.on and never.laps == {}
+
+
+def test_a_time_limit_ends_training_early_with_a_drafter_and_a_report(tmp_path, one_cpu_thread):
+    """--time-limit-s (device calls with a hard bound): the loop stops once the time is spent, and the run still
+    saves the drafter, a held-out point at the last step and a report that says where it stopped."""
+    from tests.tiny_models import make_tiny_target
+    from vllm_ddtree.drafter.model import DFlashDrafter
+    from vllm_ddtree.drafter.train import TrainConfig, train
+
+    target = make_tiny_target(tmp_path / "target")
+    cfg = TrainConfig(target=str(target), out=str(tmp_path / "run"), block_size=4, num_layers=1, max_new_tokens=8,
+                      steps=50, batch_size=2, anchors_per_seq=2, warmup_steps=1, eval_every=20, save_every=0,
+                      device="cpu", time_limit_s=0.0)  # spent before the first step ends: exactly one step runs
+    drafter = train(cfg, prompt_ids=[[5, 40, 90], [6, 41, 91]], eval_prompt_ids=[[7, 8, 9]])
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["steps"] == 1 and report["stopped_at"] == {"step": 1, "of": 50, "time_limit_s": 0.0}
+    assert [p["step"] for p in report["heldout_curve"]] == [1] and report["final_loss"] is not None
+    assert "simulated_acceptance_length" in report
+    assert DFlashDrafter.load(drafter, torch.device("cpu")).config.block_size == 4

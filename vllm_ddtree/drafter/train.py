@@ -67,6 +67,10 @@ class TrainConfig:
     # (block size, layers, target layers, mask token) is kept and must fit the target; `resume` wins over it.
     # A `num_layers` above its layer count adds identity-initialised layers (`DFlashDrafter.add_layers`).
     init_from: str | None = None
+    # Seconds since `train` started (target loading and answer generation included) after which the loop stops
+    # and the run ends as at its last step: drafter saved, held-out point, report (`stopped_at` says where).
+    # For device calls with a hard time bound (scripts/gpu_train.sh). None: run every step.
+    time_limit_s: float | None = None
 
 
 @dataclass
@@ -232,7 +236,6 @@ def generate_responses_vllm(
     """Same as ``generate_responses`` with vLLM (much faster on a GPU), one temperature per prompt; yields the
     responses chunk by chunk (so a run cut short keeps the chunks already written) and frees the engine at the end."""
     import gc
-    import time
 
     from vllm import LLM, SamplingParams
 
@@ -457,6 +460,7 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
 
     from vllm_ddtree.drafter import data
 
+    began = time.monotonic()
     if cfg.responses_per_prompt < 1 or (cfg.responses_per_prompt > 1 and cfg.temperature <= 0):
         raise ValueError(
             f"responses_per_prompt={cfg.responses_per_prompt} needs to be 1, or > 1 with temperature > 0 "
@@ -516,8 +520,19 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
         heldout_batch = sample_blocks(eval_seqs[: cfg.batch_size], drafter.config.block_size, cfg.anchors_per_seq,
                                       drafter.config.mask_token_id, pad_id, random.Random(cfg.seed + 1))
     curve: list[dict] = list(state.get("heldout_curve", [])) if ckpt is not None else []  # kept across resumes
+
+    def heldout_point(step: int, loss: torch.Tensor) -> None:
+        with torch.no_grad(), autocast:
+            features = target_features(target, heldout_batch.input_ids.to(device), heldout_batch.seq_lens.to(device),
+                                       layer_ids)
+            val_loss, val_accuracy = block_loss(drafter, heldout_batch, features, cfg.loss_decay)
+        curve.append({"step": step, "train_loss": round(loss.item(), 4), "heldout_loss": round(val_loss.item(), 4),
+                      "heldout_acc1": round(val_accuracy[0].item(), 4)})
+        bar.write(json.dumps(curve[-1]))
+
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="training", unit="step")
     clock = PhaseClock(device, every=cfg.eval_every)
+    done = start  # steps completed
     for step in bar:
         clock.start(step)
         batch = sample_blocks(rng.sample(seqs, min(cfg.batch_size, len(seqs))), drafter.config.block_size,
@@ -540,20 +555,22 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
         if (step + 1) % 10 == 0 or step + 1 == cfg.steps:  # reading the loss waits for the GPU: not every step
             lr = scheduler.get_last_lr()[0]
             bar.set_postfix(dict(loss=f"{loss.item():.3f}", acc1=f"{accuracy[0].item():.2f}", lr=f"{lr:.1e}"))
-        if heldout_batch is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-            with torch.no_grad(), autocast:
-                features = target_features(target, heldout_batch.input_ids.to(device),
-                                           heldout_batch.seq_lens.to(device), layer_ids)
-                val_loss, val_accuracy = block_loss(drafter, heldout_batch, features, cfg.loss_decay)
-            curve.append({"step": step + 1, "train_loss": round(loss.item(), 4), "heldout_loss": round(val_loss.item(), 4),
-                          "heldout_acc1": round(val_accuracy[0].item(), 4)})
-            bar.write(json.dumps(curve[-1]))
-        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-            _save_checkpoint(out, step + 1, drafter, optimizer, scheduler, rng, curve)
+        done = step + 1
+        out_of_time = cfg.time_limit_s is not None and time.monotonic() - began > cfg.time_limit_s
+        if heldout_batch is not None and (done % cfg.eval_every == 0 or done == cfg.steps or out_of_time):
+            heldout_point(done, loss)
+        if out_of_time:
+            bar.write(f"time limit {cfg.time_limit_s:.0f} s reached at step {done} of {cfg.steps}: saving")
+            break
+        if cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps:
+            _save_checkpoint(out, done, drafter, optimizer, scheduler, rng, curve)
 
     final = drafter.save(out / "drafter", dtype=getattr(torch, cfg.save_dtype))
-    report = {"steps": cfg.steps, "final_loss": loss.item() if cfg.steps > start else None,
-              "responses": len(seqs), "passes": round(passes, 2), "heldout_curve": curve}
+    report = {"steps": done, "final_loss": loss.item() if done > start else None,
+              "responses": len(seqs), "passes": round(done * min(cfg.batch_size, len(seqs)) / len(seqs), 2),
+              "heldout_curve": curve}
+    if done < cfg.steps:
+        report["stopped_at"] = {"step": done, "of": cfg.steps, "time_limit_s": cfg.time_limit_s}
     if eval_seqs:
         report["simulated_acceptance_length"] = simulate_acceptance(drafter, target, eval_seqs, pad_id)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
