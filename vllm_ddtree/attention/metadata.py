@@ -159,7 +159,7 @@ class TreeAttentionMetadataBuilder:
             max_seq_len=int(max_seq_len),
             covers_all_tokens=all_trees,
             cu_seqlens_q=backend_metadata.query_start_loc if all_trees else None,
-            context_lens=(seq_lens - step.num_nodes[tree_reqs]).to(torch.int32) if all_trees else None,
+            context_lens=(seq_lens - num_nodes).to(torch.int32) if all_trees else None,
             backend_rows=backend_rows(node_mask, num_nodes, query_start) if backend_rows_requested() else None,
         )
 
@@ -181,13 +181,12 @@ class TreeAttentionMetadataBuilder:
             num_nodes[:num_reqs].copy_(step.num_nodes)
             num_nodes[num_reqs:].zero_()
             torch.sub(backend_metadata.seq_lens, num_nodes, out=context_lens)
-        rows = None
+        kept_backend_rows = None
         if backend_rows_requested():
-            rows, keep = buffers.backend_rows[:padded], buffers.backend_keep[:padded]
-            fresh_rows, fresh_keep = backend_rows(node_mask, num_nodes, backend_metadata.query_start_loc[:padded])
-            rows.copy_(fresh_rows)
-            keep.copy_(fresh_keep)
-            rows = (rows, keep)
+            kept_backend_rows = (buffers.backend_rows[:padded], buffers.backend_keep[:padded])
+            fresh = backend_rows(node_mask, num_nodes, backend_metadata.query_start_loc[:padded])
+            for buffer, values in zip(kept_backend_rows, fresh):
+                buffer.copy_(values)
         return TreeAttentionMetadata(
             tree_reqs=tree_reqs,
             num_nodes_cpu=step.num_nodes_cpu.tolist() + [0] * (padded - num_reqs),
@@ -200,7 +199,7 @@ class TreeAttentionMetadataBuilder:
             covers_all_tokens=True,
             cu_seqlens_q=backend_metadata.query_start_loc,
             context_lens=context_lens,
-            backend_rows=rows,
+            backend_rows=kept_backend_rows,
         )
 
     def attach(self, step: TreeStep, attn_metadata) -> None:

@@ -511,7 +511,8 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
     layer_ids = drafter.config.target_layer_ids
     use_bf16 = device.type == "cuda" and target.dtype == torch.bfloat16
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if use_bf16 else contextlib.nullcontext()
-    passes = cfg.steps * min(cfg.batch_size, len(seqs)) / len(seqs)
+    passes_per_step = min(cfg.batch_size, len(seqs)) / len(seqs)
+    passes = cfg.steps * passes_per_step
     if passes > 4:
         print(f"warning: {cfg.steps} steps x {cfg.batch_size} sequences = {passes:.0f} passes over {len(seqs)} "
               "responses: the drafter may memorise them (watch the held-out loss); add prompts or cut steps")
@@ -567,7 +568,7 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
 
     final = drafter.save(out / "drafter", dtype=getattr(torch, cfg.save_dtype))
     report = {"steps": done, "final_loss": loss.item() if done > start else None,
-              "responses": len(seqs), "passes": round(done * min(cfg.batch_size, len(seqs)) / len(seqs), 2),
+              "responses": len(seqs), "passes": round(done * passes_per_step, 2),
               "heldout_curve": curve}
     if done < cfg.steps:
         report["stopped_at"] = {"step": done, "of": cfg.steps, "time_limit_s": cfg.time_limit_s}
