@@ -73,11 +73,16 @@ class DDTreeConfig:
 
 def drafting_config(vllm_config, num_tokens: int):
     """A shallow copy of vLLM's config whose speculative config drafts `num_tokens` positions per pass: the DFlash
-    drafter of a DDTree config queries D = depth positions, while vLLM's own config schedules B drafts."""
+    drafter of a DDTree config queries D = depth positions, while vLLM's own config schedules B drafts. The drafter
+    drafts all D at every batch size, so its copy has no `num_speculative_tokens_per_batch_size` (Model Runner V2's
+    graph manager would otherwise capture the drafter's FULL graphs for the schedule's verification lengths, none
+    of which is the drafter's own 1 + D)."""
     import copy
 
     spec = copy.copy(vllm_config.speculative_config)
     spec.num_speculative_tokens = num_tokens
+    if getattr(spec, "num_speculative_tokens_per_batch_size", None) is not None:
+        spec.num_speculative_tokens_per_batch_size = None
     config = copy.copy(vllm_config)
     config.speculative_config = spec
     return config

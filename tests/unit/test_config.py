@@ -75,3 +75,20 @@ def test_bad_budget_per_batch_size_is_named(schedule, why):
     with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size") as err:
         split_ddtree_config(spec(num_speculative_tokens_per_batch_size=schedule))
     assert why in str(err.value)
+
+
+def test_drafting_config_drafts_every_position_at_every_batch_size():
+    """The drafter's copy of vLLM's config: D positions per pass and no per-batch-size schedule (Model Runner V2
+    sizes the drafter's CUDA graphs from it); vLLM's own config keeps B and the schedule for the scheduler."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.config import drafting_config
+
+    schedule = [[1, 4, 64], [5, 64, 15]]
+    spec_config = SimpleNamespace(num_speculative_tokens=64, num_speculative_tokens_per_batch_size=schedule)
+    vllm_config = SimpleNamespace(speculative_config=spec_config, model_config="target")
+    drafting = drafting_config(vllm_config, 15)
+    assert drafting.speculative_config.num_speculative_tokens == 15
+    assert drafting.speculative_config.num_speculative_tokens_per_batch_size is None
+    assert drafting.model_config == "target"
+    assert spec_config.num_speculative_tokens == 64 and spec_config.num_speculative_tokens_per_batch_size is schedule
