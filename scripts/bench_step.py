@@ -129,9 +129,17 @@ def device_settings() -> dict:
     return dict(dtype="bfloat16", gpu_memory_utilization=0.8, compilation_config={"cudagraph_capture_sizes": capture})
 
 
-def torch_profile(llm, batch: int, prompt_len: int, steps: int, vocab: int, path: Path) -> None:
+# DDTree's own per-step kernels besides the tree attention (verification) and the drafter pass: tree layout, FULL-graph
+# tree inputs and masks, walk, KV compaction, tree build (Triton kernel names).
+BOOKKEEPING_KERNELS = ("_tree_step_layout_kernel", "_padded_tree_inputs_kernel", "_ancestor_mask_kernel",
+                       "_walk_kernel", "_compact_kv_kernel", "_best_first_kernel")  # fmt: skip
+
+
+def torch_profile(llm, batch: int, prompt_len: int, steps: int, vocab: int, path: Path) -> dict:
     """torch.profiler over one run of `steps` decode steps (the engine runs in this process): the ops with the
-    most host time and the most GPU time, and host time grouped by the Python call stack, as text in `path`."""
+    most host time and the most GPU time, and host time grouped by the Python call stack, as text in `path`.
+    Returns the GPU time per step of all kernels and of DDTree's bookkeeping kernels (`BOOKKEEPING_KERNELS`, by
+    name): the bookkeeping share of a step without the profiler's one-sync-per-step phase timer."""
     import random
 
     import torch
@@ -142,12 +150,29 @@ def torch_profile(llm, batch: int, prompt_len: int, steps: int, vocab: int, path
     with profile(activities=activities, with_stack=True) as prof:
         timed_generate(llm, prompts, 1 + steps)
     device_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    averages = prof.key_averages()
     path.write_text("\n\n".join([
         f"{steps} decode steps, batch {batch}",
-        prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40),
-        prof.key_averages().table(sort_by=device_key, row_limit=25),
+        averages.table(sort_by="self_cpu_time_total", row_limit=40),
+        averages.table(sort_by=device_key, row_limit=25),
         prof.key_averages(group_by_stack_n=6).table(sort_by="cpu_time_total", row_limit=40),
     ]))  # fmt: skip
+    return kernel_times_per_step(averages, steps)
+
+
+def kernel_times_per_step(averages, steps: int) -> dict:
+    """{"all_kernels_us", "bookkeeping_us", "bookkeeping_kernels_us": {name: us}} per decode step from a profile's
+    key averages (device time of kernels, CUDA-graph replays included)."""
+    def device_us(event) -> float:
+        return float(getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0))
+
+    kernels = [e for e in averages if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type)]
+    ours = {name: sum(device_us(e) for e in kernels if name in e.key) / steps for name in BOOKKEEPING_KERNELS}
+    return {
+        "all_kernels_us": sum(device_us(e) for e in kernels) / steps,
+        "bookkeeping_us": sum(ours.values()),
+        "bookkeeping_kernels_us": {k: v for k, v in ours.items() if v},
+    }
 
 
 def sync_report(llm, batch: int, prompt_len: int, steps: int, vocab: int, path: Path) -> None:
@@ -206,8 +231,8 @@ def run_method(method: str, target: str, drafter: str, args) -> list[dict]:
             row["profile"] = profile_pass(llm, batch, args.prompt_len, args.steps, Path(args.out).with_suffix(
                 f".{method}.profile{batch}.json"))  # fmt: skip
         if args.torch_profile:
-            torch_profile(llm, batch, args.prompt_len, min(args.steps, 16), vocab,
-                          Path(args.out).with_suffix(f".{method}.torch{batch}.txt"))
+            row["kernels"] = torch_profile(llm, batch, args.prompt_len, min(args.steps, 16), vocab,
+                                           Path(args.out).with_suffix(f".{method}.torch{batch}.txt"))  # fmt: skip
         if args.sync_report:
             sync_report(llm, batch, args.prompt_len, min(args.steps, 16), vocab,
                         Path(args.out).with_suffix(f".{method}.syncs{batch}.txt"))
@@ -240,6 +265,11 @@ def print_table(rows: list[dict]) -> None:
                 print(f"{r['method']} batch {r['batch']} {kind} per phase: {phases}")
         if prof.get("counts"):
             print(f"{r['method']} batch {r['batch']} counts: {prof['counts']}")  # e.g. the target's CUDA-graph mode
+        kernels = r.get("kernels")
+        if kernels and kernels["all_kernels_us"]:
+            print(f"{r['method']} batch {r['batch']} kernels per step: all {kernels['all_kernels_us']:.0f} us, DDTree "
+                  f"bookkeeping {kernels['bookkeeping_us']:.1f} us = {kernels['bookkeeping_us'] / 10 / r['step_ms_median']:.2f}% "
+                  f"of the {r['step_ms_median']:.2f} ms step ({kernels['bookkeeping_kernels_us']})")
 
 
 def argv_with_methods(argv: list[str], method: str) -> list[str]:

@@ -25,30 +25,60 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_t
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
-def methods(drafter: str | None, block_size: int, budgets: list[int]) -> list[tuple[str, dict | None]]:
+def methods(drafter: str | None, block_size: int, budgets: list[int], schedules: list[str] = ()) -> list[tuple[str, dict | None]]:
     out: list[tuple[str, dict | None]] = [("none", None)]
     if drafter:
         chain = {"method": "dflash", "model": drafter, "num_speculative_tokens": block_size - 1}
         out += [("dflash", chain), ("dflash-v1", chain)]  # -v1: on the V1 runner, DDTree's (see compat)
         for b in budgets:
             out.append((f"ddtree-B{b}", {"method": "ddtree", "model": drafter, "num_speculative_tokens": b}))
+        for text in schedules:
+            schedule = parse_schedule(text)
+            out.append((f"ddtree-{text}", {"method": "ddtree", "model": drafter,
+                                           "num_speculative_tokens": max(n for _, _, n in schedule),
+                                           "num_speculative_tokens_per_batch_size": schedule}))  # fmt: skip
     return out
 
 
-def capture_sizes(tokens_per_request: int, max_num_seqs: int, drafter_block: int = 0) -> list[int]:
+def parse_schedule(text: str) -> list[list[int]]:
+    """"1-4:64,5-64:16" -> [[1, 4, 64], [5, 64, 16]]: DDTree's budget per batch-size range
+    (`num_speculative_tokens_per_batch_size`)."""
+    schedule = []
+    for part in text.split(","):
+        sizes, nodes = part.split(":")
+        first, last = sizes.split("-")
+        schedule.append([int(first), int(last), int(nodes)])
+    return schedule
+
+
+def drafts_by_batch_size(spec: dict | None, max_num_seqs: int) -> list[int]:
+    """[max_num_seqs + 1] drafts per request that vLLM's scheduler asks for at each request count (index 0 unused)."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.compat import drafts_by_batch_size as lookup
+
+    if spec is None:
+        return [0] * (max_num_seqs + 1)
+    return lookup(SimpleNamespace(**{k: spec.get(k) for k in ("num_speculative_tokens",
+                                                              "num_speculative_tokens_per_batch_size")}), max_num_seqs)
+
+
+def capture_sizes(drafts: list[int], drafter_block: int = 0) -> list[int]:
     """CUDA-graph capture sizes under which every method's decode steps replay their graphs at every request count.
 
-    - Every uniform step size r x tokens_per_request (r = 1..max_num_seqs). Model Runner V2 replays a FULL graph for
-      a uniform batch only if the smallest capture size at or above its token count is a multiple of the tokens per
-      request (vLLM's V1 runner rounds the sizes so; V2 does not). With powers of two alone, DDTree's 65 or 17
-      tokens per request fell to piecewise graphs (tree attention eager between the pieces) whenever the request
-      count was not a power of two: 3 requests of B = 64 are 195 tokens, whose bucket is 256 (session 17: DDTree at
-      batches 4-64 ran at 0.4-0.7x of the chain, whose 16 tokens divide every power of two from 16 on).
+    - Every uniform step size r x (drafts[r] + 1), r = 1..max_num_seqs (`drafts_by_batch_size`). Model Runner V2
+      replays a FULL graph for a uniform batch only if the smallest capture size at or above its token count is a
+      multiple of the tokens per request (vLLM's V1 runner rounds the sizes so; V2 does not). With powers of two
+      alone, DDTree's 65 or 17 tokens per request fell to piecewise graphs (tree attention eager between the
+      pieces) whenever the request count was not a power of two: 3 requests of B = 64 are 195 tokens, whose bucket
+      is 256 (session 17: DDTree at batches 4-64 ran at 0.4-0.7x of the chain, whose 16 tokens divide every power
+      of two from 16 on).
     - Powers of two up to the largest decode step, for prefills (vLLM's default list stops at 512 tokens).
     - The drafter's largest step (block x max_num_seqs): its FULL graphs are uniform too.
     """
-    largest = tokens_per_request * max_num_seqs
-    sizes = {tokens_per_request * r for r in range(1, max_num_seqs + 1)}
+    max_num_seqs = len(drafts) - 1
+    sizes = {r * (drafts[r] + 1) for r in range(1, max_num_seqs + 1)}
+    largest = max(sizes)
     power = 1
     while power < largest:
         sizes.add(power)
@@ -229,6 +259,9 @@ def main() -> None:
     parser.add_argument("--target", help="Hugging Face folder of the target (required unless --plot-from)")
     parser.add_argument("--drafter", default=None)
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--schedules", nargs="+", default=[], metavar="RANGES",
+                        help="DDTree budgets per batch size (num_speculative_tokens_per_batch_size), each as "
+                             "'1-4:64,5-64:16'; runs as method ddtree-<RANGES>")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -239,8 +272,9 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs / torch.compile")
     parser.add_argument("--stop-at-eos", action="store_true", help="end answers at EOS (default: fixed length)")
     parser.add_argument("--methods", nargs="+", default=None,
-                        help="method names to run, in this order (none, dflash, dflash-v1, ddtree-B<budget>; "
-                             "a -v2 suffix runs DDTree on Model Runner V2, e.g. ddtree-B32-v2)")
+                        help="method names to run, in this order (none, dflash, dflash-v1, ddtree-B<budget>, "
+                             "ddtree-<RANGES> of --schedules; a -v2 suffix runs DDTree on Model Runner V2, e.g. "
+                             "ddtree-B32-v2)")
     parser.add_argument("--min-prompts", type=int, default=16,
                         help="prompts per measurement at least: small batch sizes run them in consecutive groups")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
@@ -267,7 +301,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     block_size = json.loads((Path(args.drafter) / "config.json").read_text())["block_size"] if args.drafter else 0
-    plan = methods(args.drafter, block_size, args.budgets)
+    plan = methods(args.drafter, block_size, args.budgets, args.schedules)
     if args.methods:  # in the order asked for (a call cut by its time limit keeps the first ones)
         by_name = dict(plan)
         unknown = [m for m in args.methods if m not in by_name and method_without_runner(m) not in by_name]
@@ -290,8 +324,7 @@ def main() -> None:
         # CUDA-graph capture with max_num_seqs = 1 (H200, 2026-11-30); 16 ran in session 12.
         max_num_seqs = max(*args.batch_sizes, 16)
         draft_slots = (spec["num_speculative_tokens"] + 2) if spec else 0
-        tokens_per_request = 1 + (spec["num_speculative_tokens"] if spec else 0)
-        graph_sizes = args.cudagraph_capture_sizes or capture_sizes(tokens_per_request, max_num_seqs, block_size)
+        graph_sizes = args.cudagraph_capture_sizes or capture_sizes(drafts_by_batch_size(spec, max_num_seqs), block_size)
         with model_runner_for(name):
             llm = LLM(
                 model=args.target, speculative_config=spec, dtype=args.dtype, max_model_len=args.max_model_len,

@@ -298,6 +298,19 @@ def _switch_cudagraph_mode(compilation_config, logger, compiled_mode, uncompiled
     logger.info("DDTree: cudagraph_mode %s -> %s (%s).", mode.name, compilation_config.cudagraph_mode.name, why)
 
 
+def drafts_by_batch_size(speculative_config, max_num_reqs: int) -> list[int]:
+    """[max_num_reqs + 1]: the drafts vLLM's scheduler asks for at each request count (index 0 unused), from
+    `num_speculative_tokens_per_batch_size` when set (vLLM's own dense lookup: gaps and the tail carry the previous
+    value, values clamp to num_speculative_tokens), else num_speculative_tokens for every count."""
+    budget = speculative_config.num_speculative_tokens
+    schedule = getattr(speculative_config, "num_speculative_tokens_per_batch_size", None)
+    if not schedule:
+        return [0] + [budget] * max_num_reqs
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    return build_dynamic_sd_schedule_lookup(schedule, max_num_reqs, budget)
+
+
 def flash_attn_varlen():
     """vLLM's FlashAttention varlen entry point (GPU builds only; used by the kernel benchmarks)."""
     from vllm.vllm_flash_attn import flash_attn_varlen_func

@@ -35,14 +35,13 @@ _PASSTHROUGH_KEYS = frozenset(
         "enforce_eager",
         "attention_backend",
         "kv_cache_dtype",
+        "num_speculative_tokens_per_batch_size",  # checked by `_budget_schedule`
     }
 )
 # Keys of vLLM's SpeculativeConfig that select behaviour DDTree replaces or does not support (yet).
 _UNSUPPORTED_KEYS = {
     "disable_padded_drafter_batch": "DDTree needs vLLM's padded drafter batch; remove the key",
     "parallel_drafting": "DDTree always drafts a whole block in parallel; remove the key",
-    "num_speculative_tokens_per_batch_size": "a per-batch-size budget is not supported yet; use one "
-    "num_speculative_tokens",
     "rejection_sample_method": "DDTree verifies the tree with its own sampler; remove the key",
     "draft_sample_method": "DDTree builds the tree from the drafter's distributions; remove the key",
     "use_local_argmax_reduction": "DDTree needs the drafter's full logits; remove the key",
@@ -74,11 +73,16 @@ class DDTreeConfig:
 
 def drafting_config(vllm_config, num_tokens: int):
     """A shallow copy of vLLM's config whose speculative config drafts `num_tokens` positions per pass: the DFlash
-    drafter of a DDTree config queries D = depth positions, while vLLM's own config schedules B drafts."""
+    drafter of a DDTree config queries D = depth positions, while vLLM's own config schedules B drafts. The drafter
+    drafts all D at every batch size, so its copy has no `num_speculative_tokens_per_batch_size` (Model Runner V2's
+    graph manager would otherwise capture the drafter's FULL graphs for the schedule's verification lengths, none
+    of which is the drafter's own 1 + D)."""
     import copy
 
     spec = copy.copy(vllm_config.speculative_config)
     spec.num_speculative_tokens = num_tokens
+    if getattr(spec, "num_speculative_tokens_per_batch_size", None) is not None:
+        spec.num_speculative_tokens_per_batch_size = None
     config = copy.copy(vllm_config)
     config.speculative_config = spec
     return config
@@ -119,6 +123,8 @@ def split_ddtree_config(spec: dict[str, Any]) -> tuple[dict[str, Any], DDTreeCon
             f"(draft nodes verified per step), an integer in 1..{MAX_BUDGET}."
         )
     budget = _positive_int("num_speculative_tokens", spec["num_speculative_tokens"], MAX_BUDGET)
+    if "num_speculative_tokens_per_batch_size" in spec:
+        _budget_schedule(spec["num_speculative_tokens_per_batch_size"], budget)
     max_topk = spec.get("max_topk")
     max_depth = spec.get("max_depth")
     ddtree = DDTreeConfig(
@@ -129,6 +135,44 @@ def split_ddtree_config(spec: dict[str, Any]) -> tuple[dict[str, Any], DDTreeCon
     dflash = {k: v for k, v in spec.items() if k in _PASSTHROUGH_KEYS}
     dflash["method"] = "dflash"
     return dflash, ddtree
+
+
+def _budget_schedule(schedule: Any, budget: int) -> list[tuple[int, int, int]]:
+    """Check `num_speculative_tokens_per_batch_size`, vLLM's own key for a draft length per batch size, as DDTree
+    reads it: [[first, last, nodes], ...] (inclusive request-count ranges, the first from 1, ascending, disjoint),
+    each step verifying the first `nodes` nodes of every tree (a best-first tree's first n nodes are its best n,
+    so every prefix is a tree; 0: no speculation at that batch size). `num_speculative_tokens` is the largest."""
+    def fail(why: str) -> ValueError:
+        return ValueError(
+            f"speculative_config['num_speculative_tokens_per_batch_size'] = {schedule!r}: {why}. Expected a list of "
+            f"[first_batch_size, last_batch_size, num_nodes] ranges, e.g. [[1, 4, {budget}], [5, 256, "
+            f"{min(budget, 15)}]]."
+        )
+
+    if not isinstance(schedule, (list, tuple)) or not schedule:
+        raise fail("not a non-empty list")
+    ranges = []
+    for entry in schedule:
+        if not isinstance(entry, (list, tuple)) or len(entry) != 3 or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in entry
+        ):
+            raise fail(f"entry {entry!r} is not three integers")
+        first, last, nodes = entry
+        if not 1 <= first <= last:
+            raise fail(f"entry {list(entry)} needs 1 <= first_batch_size <= last_batch_size")
+        if not 0 <= nodes <= budget:
+            raise fail(
+                f"entry {list(entry)} asks for {nodes} nodes; each must be in 0..num_speculative_tokens "
+                f"({budget}), the largest tree (raise num_speculative_tokens to {nodes} for that range)"
+            )
+        ranges.append((first, last, nodes))
+    ranges.sort()
+    if ranges[0][0] != 1:
+        raise fail("the first range must start at batch size 1")
+    for (_, last, _), (first, _, _) in zip(ranges, ranges[1:]):
+        if first <= last:
+            raise fail(f"the ranges overlap at batch size {first}")
+    return ranges
 
 
 def validate_models(ddtree: DDTreeConfig, target_hf_config: Any, drafter_hf_config: Any, drafter_path: str) -> int:

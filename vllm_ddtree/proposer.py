@@ -4,7 +4,8 @@ The drafter runs exactly as vLLM's in-tree DFlash does (one parallel pass over [
 the tree depth (the drafter's block size - 1, or `max_depth`), independent of the node budget B. Instead of the
 per-position argmax (a chain), `build_draft_tree` keeps the B most probable prefixes. The proposer returns the B
 non-root node tokens per request, parents before children, so vLLM's scheduler treats them as B draft tokens
-(and may truncate them to any prefix, which is still a tree). Parents and depths are kept for the next step's
+(and may truncate them to any prefix, which is still a tree; with `num_speculative_tokens_per_batch_size` vLLM asks
+for n <= B and gets the first n). Parents and depths are kept for the next step's
 verification.
 """
 
@@ -72,4 +73,5 @@ class DDTreeProposer(DFlashProposer):
         self._draft_logits = None
         if self.timer is not None:
             self.timer.mark("tree_build")
-        return self.last_tree.token_ids[:, 1:]  # [R, B]
+        # [R, n]: the first n nodes, a tree of the n best prefixes (n < B under num_speculative_tokens_per_batch_size)
+        return self.last_tree.token_ids[:, 1 : 1 + num_speculative_tokens]

@@ -210,7 +210,7 @@ def install_runner_hooks() -> None:
             # attention path, reading the persistent buffers that real steps write before each replay.
             num_reqs, num_tokens = kwargs.get("num_reqs"), kwargs.get("num_tokens")
             if kwargs.get("max_query_len") == state.width and num_reqs and num_tokens == num_reqs * state.width:
-                state.attention.attach(dummy_tree_step(num_reqs, state.width, self.device), result[0])
+                state.attention.attach(dummy_tree_step(num_reqs, state.width, state.width, self.device), result[0])
         return result
 
     @hook(GPUModelRunner, "_sample")

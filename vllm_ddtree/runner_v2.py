@@ -51,54 +51,68 @@ class DDTreeV2State:
 
 
 def request_counts_without_full_graph(
-    capture_sizes: list[int], width: int, max_num_reqs: int, max_capture_size: int
+    capture_sizes: list[int], drafts: list[int], width: int, max_num_reqs: int, max_capture_size: int
 ) -> list[int]:
-    """Request counts r whose uniform verification step (r x width tokens, within the capture sizes) gets no FULL
-    graph from Model Runner V2 (vLLM 0.26's `CudaGraphManager`): a step runs under the graphs of the smallest
-    capture size at or above its token count, and only sizes rounded up to a multiple of `width` hold FULL graphs
-    for uniform batches. Power-of-two sizes with B + 1 = 65 leave out 3 requests (195 tokens -> the 256-token
-    piecewise graph). vLLM's default sizes (steps of 8 to 256 tokens, then 16) leave out none while B + 1 exceeds
-    the step: with B + 1 = 9, the request counts whose steps fall between 256 and 512 tokens are left out."""
-    max_full = min(max_num_reqs * width, max_capture_size)
-    full = {-(-s // width) * width for s in capture_sizes}
-    full = {t for t in full if t <= max_full}
-    buckets = sorted(full | set(capture_sizes))
+    """Request counts r whose uniform verification step (r x (drafts[r] + 1) tokens, within the capture sizes) gets
+    no FULL graph from Model Runner V2 (vLLM 0.26's `CudaGraphManager`): a step runs under the graphs of the
+    smallest capture size at or above its token count, and only sizes rounded up to a multiple of a step's tokens
+    per request hold FULL graphs for its uniform batches (one set per draft length of
+    `num_speculative_tokens_per_batch_size`). Power-of-two sizes with B + 1 = 65 leave out 3 requests (195 tokens
+    -> the 256-token piecewise graph). vLLM's default sizes (steps of 8 to 256 tokens, then 16) leave out none
+    while B + 1 exceeds the step: with B + 1 = 9, the request counts whose steps fall between 256 and 512 tokens
+    are left out. `drafts`: [max_num_reqs + 1] (`compat.drafts_by_batch_size`); `width`: B + 1."""
+    max_decode = max_num_reqs * width  # V2 sizes its decode graphs by the largest step
+    full: dict[int, set[int]] = {}  # token count -> tokens per request of its FULL uniform graphs
+    for nodes in {n + 1 for n in drafts[1:] if n > 0}:
+        for size in capture_sizes:
+            tokens = -(-size // nodes) * nodes
+            if tokens <= min(max_decode, max_capture_size):
+                full.setdefault(tokens, set()).add(nodes)
+    buckets = sorted(set(full) | set(capture_sizes))
     missing = []
     for r in range(1, max_num_reqs + 1):
-        tokens = r * width
-        bucket = next((t for t in buckets if t >= tokens), None)
+        if drafts[r] == 0:
+            continue  # no verification at this batch size
+        nodes = drafts[r] + 1
+        bucket = next((t for t in buckets if t >= r * nodes), None)
         if bucket is None:
-            break  # above every capture size: no graph at all, by vLLM's own limit (as for every method)
-        if bucket not in full:
+            continue  # above every capture size: no graph at all, by vLLM's own limit (as for every method)
+        if nodes not in full.get(bucket, ()):
             missing.append(r)
     return missing
 
 
-def _log_cuda_graph_coverage(compilation_config, max_num_reqs: int, width: int, logger) -> None:
+def _log_cuda_graph_coverage(compilation_config, drafts: list[int], width: int, logger) -> None:
     mode = compilation_config.cudagraph_mode
     sizes = compilation_config.cudagraph_capture_sizes
     if mode is None or not sizes or mode.decode_mode().name != "FULL":
         return
+    max_num_reqs = len(drafts) - 1
     max_size = compilation_config.max_cudagraph_capture_size or max(sizes)
-    if max_size // width < max_num_reqs:
+    largest_step = max(r * (drafts[r] + 1) for r in range(1, max_num_reqs + 1))
+    if largest_step > max_size:
         logger.info(
-            "DDTree: CUDA graphs cover verification steps of up to %d requests (%d tokens each, "
-            "max_cudagraph_capture_size=%d); steps of more requests run without graphs. "
-            "--max-cudagraph-capture-size %d covers max_num_seqs=%d.",
-            max_size // width, width, max_size, max_num_reqs * width, max_num_reqs,
+            "DDTree: CUDA graphs cover verification steps of up to %d tokens (max_cudagraph_capture_size); the "
+            "largest step has %d (max_num_seqs=%d): larger steps run without graphs. --max-cudagraph-capture-size "
+            "%d covers them all.",
+            max_size, largest_step, max_num_reqs, largest_step,
         )  # fmt: skip
-    missing = request_counts_without_full_graph(sizes, width, max_num_reqs, max_size)
+    missing = request_counts_without_full_graph(sizes, drafts, width, max_num_reqs, max_size)
     if missing:
         logger.warning(
             "DDTree: with cudagraph_capture_sizes %s, Model Runner V2 has no FULL CUDA graph for verification steps "
-            "of %s requests (%d tokens each): those steps run piecewise, with tree attention eager (several times "
-            "slower). Add the sizes %s to cudagraph_capture_sizes (r x %d tokens).",
-            sizes, missing, width, [r * width for r in missing], width,
+            "of %s requests: those steps run piecewise, with tree attention eager (several times slower). Add the "
+            "sizes %s to cudagraph_capture_sizes (requests x tokens per request).",
+            sizes, missing, [r * (drafts[r] + 1) for r in missing],
         )  # fmt: skip
 
 
-def _is_uniform_verification(input_batch, width: int) -> bool:
-    return input_batch.num_tokens == input_batch.num_reqs * width and int(input_batch.num_scheduled_tokens.max()) == width
+def uniform_verification_nodes(input_batch, width: int) -> int | None:
+    """n when every request of the batch is scheduled n tokens, 2 <= n <= width: a uniform verification batch of
+    n-node trees (n < width under `num_speculative_tokens_per_batch_size`); None otherwise."""
+    nodes = int(input_batch.num_scheduled_tokens.max())
+    uniform = input_batch.num_tokens == input_batch.num_reqs * nodes
+    return nodes if uniform and 2 <= nodes <= width else None
 
 
 def install_v2_runner_hooks() -> None:
@@ -167,7 +181,10 @@ def install_v2_runner_hooks() -> None:
             state.attention = tree_attention_builder(
                 state.layers, mode, self.max_num_reqs, state.width, self.device, logger
             )
-            _log_cuda_graph_coverage(self.compilation_config, self.max_num_reqs, state.width, logger)
+            from vllm_ddtree.compat import drafts_by_batch_size
+
+            drafts = drafts_by_batch_size(self.vllm_config.speculative_config, self.max_num_reqs)
+            _log_cuda_graph_coverage(self.compilation_config, drafts, state.width, logger)
         return result
 
     @hook(runner_cls, "execute_model")
@@ -192,7 +209,7 @@ def install_v2_runner_hooks() -> None:
             state.timer.skip_step()  # no verification: not a decode step of the profile
         else:
             speculator = self.speculator
-            if num_drafts.min() == num_drafts.max() == state.budget:  # the decode steps: nothing from the host
+            if num_drafts.min() == num_drafts.max() > 0:  # the decode steps: nothing from the host
                 state.step = build_uniform_tree_step(
                     state.uniform_layouts,
                     input_batch.num_reqs,
@@ -201,6 +218,7 @@ def install_v2_runner_hooks() -> None:
                     speculator.tree_depths,
                     input_batch.idx_mapping,  # the trees are kept by request slot
                     positions=input_batch.positions,  # tree positions: root + depth
+                    num_nodes=int(num_drafts[0]) + 1,  # < B + 1 under num_speculative_tokens_per_batch_size
                 )
             else:
                 state.step = build_tree_step(
@@ -217,8 +235,8 @@ def install_v2_runner_hooks() -> None:
 
 
 def _wrap_model_state_prepare_attn(model_state, state: DDTreeV2State, device: torch.device) -> None:
-    """Attach tree metadata to the target's per-layer metadata: this step's tree at runtime, a chain of B + 1
-    nodes per request when a uniform verification batch is captured in a FULL graph."""
+    """Attach tree metadata to the target's per-layer metadata: this step's tree at runtime, a chain of n <= B + 1
+    nodes per request when a uniform verification batch of n tokens per request is captured in a FULL graph."""
     original = model_state.prepare_attn
 
     def prepare_attn(input_batch, *args, for_capture: bool = False, **kwargs):
@@ -232,8 +250,10 @@ def _wrap_model_state_prepare_attn(model_state, state: DDTreeV2State, device: to
             state.timer.mark("vllm_attention_metadata")
             builder.attach(state.step, metadata)
             state.timer.mark("tree_attention_metadata")
-        elif for_capture and builder.persistent is not None and _is_uniform_verification(input_batch, state.width):
-            builder.attach(dummy_tree_step(input_batch.num_reqs, state.width, device), metadata)
+        elif for_capture and builder.persistent is not None:
+            num_nodes = uniform_verification_nodes(input_batch, state.width)
+            if num_nodes is not None:  # a uniform verification batch's FULL graph: capture tree attention in it
+                builder.attach(dummy_tree_step(input_batch.num_reqs, num_nodes, state.width, device), metadata)
         return metadata
 
     model_state.prepare_attn = prepare_attn

@@ -92,3 +92,21 @@ def test_generation_up_to_max_model_len(prompts):
     tree = run(TARGET, ddtree(2 * BLOCK_SIZE), prompts, greedy(max_model_len, ignore_eos=True), **engine)
     assert tree.token_ids == plain.token_ids
     assert all(len(p) + len(t) == max_model_len for p, t in zip(prompts, tree.token_ids))
+
+
+def test_budget_per_batch_size(prompts, baseline):
+    """`num_speculative_tokens_per_batch_size` (vLLM's key): requests end at different lengths, so the batch shrinks
+    from 12 through every range of the schedule: no speculation at 9-12 requests, the first 5 nodes of each tree at
+    4-8, the whole 31-node tree at 1-3. Each step verifies a prefix of the best-first tree (itself a tree), and the
+    output stays token-identical to vLLM without speculation."""
+    budget, small = 31, 5
+    spec = dict(ddtree(budget), num_speculative_tokens_per_batch_size=[[1, 3, budget], [4, 8, small], [9, 64, 0]])
+    result = run(TARGET, spec, prompts, greedy(96), **ENGINE)
+    assert result.token_ids == baseline.token_ids
+    assert result.finish_reasons == baseline.finish_reasons
+    m = result.metrics
+    drafts, draft_tokens = m["vllm:spec_decode_num_drafts"], m["vllm:spec_decode_num_draft_tokens"]
+    per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert small * drafts < draft_tokens < budget * drafts  # both tree sizes were verified
+    assert per_pos[small] > 0  # paths past the small tree's reach: the whole tree at small batches
+    assert result.acceptance_length > 2.0, m

@@ -48,18 +48,32 @@ def test_greedy_agreement_compares_each_method_with_no_speculation_at_the_same_b
 def test_capture_sizes_hold_every_request_counts_uniform_step_exactly():
     """Model Runner V2 replays a uniform batch's FULL graph only when the smallest capture size at or above its token
     count is a multiple of the tokens per request; with every r x (B + 1) in the list that size is the step itself.
-    Budgets that do not divide a power of two (B + 1 = 65, 17) are the case power-of-two lists got wrong."""
+    Budgets that do not divide a power of two (B + 1 = 65, 17) are the case power-of-two lists got wrong; with a
+    budget per batch size (`--schedules`) each request count's own step is in the list."""
     bench = load_benchmark()
-    for width, block in ((65, 16), (17, 16), (16, 16), (1, 0)):
-        sizes = bench.capture_sizes(width, 64, block)
+    schedule = {"num_speculative_tokens": 64, "num_speculative_tokens_per_batch_size": bench.parse_schedule("1-4:64,5-64:16")}
+    cases = [(64, 16), (16, 16), (15, 16), (0, 0)]
+    for spec, block in [({"num_speculative_tokens": b}, block) for b, block in cases] + [(schedule, 16)]:
+        drafts = bench.drafts_by_batch_size(spec if spec["num_speculative_tokens"] else None, 64)
+        sizes = bench.capture_sizes(drafts, block)
         assert sizes == sorted(set(sizes))
         for r in range(1, 65):
-            bucket = min(s for s in sizes if s >= r * width)
-            assert bucket == r * width, (width, r, bucket)
+            step = r * (drafts[r] + 1)
+            assert min(s for s in sizes if s >= step) == step, (spec, r)
         powers = [s for s in sizes if s & (s - 1) == 0]
-        assert powers[-1] >= 64 * width and 1 in powers  # prefills keep piecewise graphs up to the largest step
+        assert powers[-1] >= max(r * (drafts[r] + 1) for r in range(1, 65)) and 1 in powers  # prefills
         if block:
             assert block * 64 in sizes  # the drafter's largest uniform step
+    assert bench.drafts_by_batch_size(schedule, 64)[1:] == [64] * 4 + [16] * 60  # vLLM's own lookup
+
+
+def test_schedules_become_ddtree_methods():
+    bench = load_benchmark()
+    plan = dict(bench.methods("/d", 16, [64], ["1-4:64,5-64:15"]))
+    assert plan["ddtree-1-4:64,5-64:15"] == {
+        "method": "ddtree", "model": "/d", "num_speculative_tokens": 64,
+        "num_speculative_tokens_per_batch_size": [[1, 4, 64], [5, 64, 15]],
+    }
 
 
 def test_fastest_by_batch_names_the_best_budget_against_chain_and_none():

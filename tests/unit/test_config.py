@@ -49,9 +49,46 @@ def test_bad_knobs(key):
 
 @pytest.mark.parametrize(
     "key,value",
-    [("disable_padded_drafter_batch", True), ("num_speculative_tokens_per_batch_size", [[1, 8, 4]]),
-     ("draft_sample_method", "probabilistic"), ("use_heterogeneous_vocab", True)],
+    [("disable_padded_drafter_batch", True), ("draft_sample_method", "probabilistic"),
+     ("use_heterogeneous_vocab", True)],
 )
 def test_unsupported_vllm_features_are_named(key, value):
     with pytest.raises(NotImplementedError, match=key):
         split_ddtree_config(spec(**{key: value}))
+
+
+def test_budget_per_batch_size_passes_to_vllm():
+    schedule = [[1, 4, 15], [5, 64, 7], [65, 256, 0]]
+    dflash, ddtree = split_ddtree_config(spec(num_speculative_tokens_per_batch_size=schedule))
+    assert dflash["num_speculative_tokens_per_batch_size"] == schedule and dflash["num_speculative_tokens"] == 15
+    assert ddtree.budget == 15  # the largest tree; the schedule verifies its first n nodes
+
+
+@pytest.mark.parametrize(
+    "schedule,why",
+    [([[1, 4, 16]], "in 0..num_speculative_tokens"), ([[2, 4, 8]], "start at batch size 1"),
+     ([[1, 8, 8], [4, 16, 2]], "overlap at batch size 4"), ([[1, 8]], "not three integers"),
+     ([[1, 8, 2.5]], "not three integers"), ([[5, 1, 3]], "first_batch_size <= last_batch_size"),
+     ([], "non-empty list"), ("auto", "non-empty list"), ([[1, 8, -1]], "in 0..num_speculative_tokens")],
+)
+def test_bad_budget_per_batch_size_is_named(schedule, why):
+    with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size") as err:
+        split_ddtree_config(spec(num_speculative_tokens_per_batch_size=schedule))
+    assert why in str(err.value)
+
+
+def test_drafting_config_drafts_every_position_at_every_batch_size():
+    """The drafter's copy of vLLM's config: D positions per pass and no per-batch-size schedule (Model Runner V2
+    sizes the drafter's CUDA graphs from it); vLLM's own config keeps B and the schedule for the scheduler."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.config import drafting_config
+
+    schedule = [[1, 4, 64], [5, 64, 15]]
+    spec_config = SimpleNamespace(num_speculative_tokens=64, num_speculative_tokens_per_batch_size=schedule)
+    vllm_config = SimpleNamespace(speculative_config=spec_config, model_config="target")
+    drafting = drafting_config(vllm_config, 15)
+    assert drafting.speculative_config.num_speculative_tokens == 15
+    assert drafting.speculative_config.num_speculative_tokens_per_batch_size is None
+    assert drafting.model_config == "target"
+    assert spec_config.num_speculative_tokens == 64 and spec_config.num_speculative_tokens_per_batch_size is schedule

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from vllm_ddtree.attention.metadata import PersistentTreeBuffers, TreeAttentionMetadataBuilder, dummy_tree_step
@@ -14,33 +15,35 @@ from vllm_ddtree.verify.step import build_tree_step
 WIDTH, MAX_REQS = 6, 8  # budget 5
 
 
-def uniform_step(num_reqs: int, seed: int):
-    """A verification step where every request has a full tree of WIDTH nodes (a uniform batch)."""
+def uniform_step(num_reqs: int, seed: int, num_nodes: int = WIDTH):
+    """A verification step where every request has the first `num_nodes` nodes of a tree of WIDTH nodes (a
+    uniform batch; fewer than WIDTH under `num_speculative_tokens_per_batch_size`)."""
     gen = torch.Generator().manual_seed(seed)
     tree = build_draft_tree(torch.randn(num_reqs, 4, 50, generator=gen), torch.zeros(num_reqs, dtype=torch.long),
                             budget=WIDTH - 1)
-    logits_indices = torch.arange(num_reqs * WIDTH)
-    return build_tree_step([WIDTH - 1] * num_reqs, logits_indices, tree.parents, tree.depths, list(range(num_reqs)),
-                           WIDTH)
+    logits_indices = torch.arange(num_reqs * num_nodes)
+    return build_tree_step([num_nodes - 1] * num_reqs, logits_indices, tree.parents, tree.depths,
+                           list(range(num_reqs)), WIDTH)  # fmt: skip
 
 
-def backend_metadata(num_reqs: int, padded: int, seed: int):
+def backend_metadata(num_reqs: int, padded: int, seed: int, num_nodes: int = WIDTH):
     """FA3-like metadata over `padded` request slots (vLLM pads seq_lens with 0 and query starts with the end)."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = torch.zeros(padded, dtype=torch.int32)
     seq_lens[:num_reqs] = torch.randint(WIDTH, 100, (num_reqs,), generator=gen, dtype=torch.int32)
-    query_start_loc = torch.full((padded + 1,), num_reqs * WIDTH, dtype=torch.int32)
-    query_start_loc[: num_reqs + 1] = torch.arange(num_reqs + 1, dtype=torch.int32) * WIDTH
+    query_start_loc = torch.full((padded + 1,), num_reqs * num_nodes, dtype=torch.int32)
+    query_start_loc[: num_reqs + 1] = torch.arange(num_reqs + 1, dtype=torch.int32) * num_nodes
     return SimpleNamespace(seq_lens=seq_lens, query_start_loc=query_start_loc, max_seq_len=int(seq_lens.max()),
                            block_table=torch.randint(0, 50, (padded, 7), generator=gen, dtype=torch.int32))
 
 
-def test_persistent_build_matches_the_regular_one_at_fixed_addresses():
+@pytest.mark.parametrize("num_nodes", [WIDTH, 3])
+def test_persistent_build_matches_the_regular_one_at_fixed_addresses(num_nodes):
     regular = TreeAttentionMetadataBuilder(set())
     persistent = TreeAttentionMetadataBuilder(set(), PersistentTreeBuffers.allocate(MAX_REQS, WIDTH, torch.device("cpu")))
     addresses = set()
     for seed, (num_reqs, padded) in enumerate([(3, 4), (5, 8), (2, 2)]):
-        step, backend = uniform_step(num_reqs, seed), backend_metadata(num_reqs, padded, seed)
+        step, backend = uniform_step(num_reqs, seed, num_nodes), backend_metadata(num_reqs, padded, seed, num_nodes)
         want, got = regular.build(step, backend), persistent.build(step, backend)
         assert got.covers_all_tokens and got.node_mask.shape == (padded, WIDTH, WIDTH)
         assert torch.equal(got.node_mask[:num_reqs].bool(), want.node_mask)
@@ -57,10 +60,15 @@ def test_persistent_build_matches_the_regular_one_at_fixed_addresses():
     assert len(addresses) == 1
 
 
-def test_dummy_step_is_a_full_chain_per_request():
-    step = dummy_tree_step(3, WIDTH, torch.device("cpu"))
-    assert step.num_nodes.tolist() == [WIDTH] * 3 and step.tree_reqs_cpu.tolist() == [0, 1, 2]
-    assert step.parents.tolist() == [list(range(-1, WIDTH - 1))] * 3
+@pytest.mark.parametrize("num_nodes", [WIDTH, 2])
+def test_dummy_step_is_a_chain_per_request(num_nodes):
+    """The capture layout of a uniform batch of `num_nodes` tokens per request, padded to WIDTH."""
+    step = dummy_tree_step(3, num_nodes, WIDTH, torch.device("cpu"))
+    assert step.num_nodes.tolist() == [num_nodes] * 3 and step.tree_reqs_cpu.tolist() == [0, 1, 2]
+    assert step.parents.shape == (3, WIDTH)
+    assert step.parents[:, :num_nodes].tolist() == [list(range(-1, num_nodes - 1))] * 3
+    assert step.node_token_index.tolist() == [[r * num_nodes + min(i, num_nodes - 1) for i in range(WIDTH)]
+                                              for r in range(3)]  # fmt: skip
 
 
 def test_backend_rows_option_fills_its_persistent_buffers(monkeypatch):

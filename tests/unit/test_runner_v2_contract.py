@@ -266,31 +266,51 @@ def test_speculator_keeps_each_requests_tree_in_its_slot_and_returns_its_nodes(m
     assert (spec.tree_parents[[0, 2, 3, 5]] == -7).all()  # other slots untouched
 
 
-def test_uniform_step_layout_equals_the_general_one():
-    """V2's decode steps take `build_uniform_tree_step` (per-batch-size constants, the kept trees by request slot
-    read through V2's int32 idx_mapping, nothing from the host): the same TreeStep and positions as
-    `build_tree_step`."""
+@pytest.mark.parametrize("num_drafts", [6, 3, 1])  # the whole tree (B = 6), and prefixes of it
+def test_uniform_step_layout_equals_the_general_one(num_drafts):
+    """V2's decode steps take `build_uniform_tree_step` (per-shape constants, the kept trees by request slot read
+    through V2's int32 idx_mapping, nothing from the host): the same TreeStep and positions as `build_tree_step`,
+    also when each request verifies only its tree's first n nodes (`num_speculative_tokens_per_batch_size`)."""
     from vllm_ddtree.tree import build_draft_tree
     from vllm_ddtree.verify.step import UniformStepLayouts, build_tree_step, build_uniform_tree_step
 
     budget, num_reqs, num_slots = 6, 3, 5
-    width = budget + 1
+    width, num_nodes = budget + 1, num_drafts + 1
     gen = torch.Generator().manual_seed(0)
     kept = build_draft_tree(torch.randn(num_slots, 4, 20, generator=gen) * 2, torch.arange(num_slots), budget)
     slots = torch.tensor([4, 0, 2], dtype=torch.int32)
-    logits_indices = (torch.arange(num_reqs * width) + 3).to(torch.int32)  # three prefill tokens first
-    general_positions = torch.randint(0, 300, (num_reqs * width + 3,), generator=gen)
+    logits_indices = (torch.arange(num_reqs * num_nodes) + 3).to(torch.int32)  # three prefill tokens first
+    general_positions = torch.randint(0, 300, (num_reqs * num_nodes + 3,), generator=gen)
     uniform_positions = general_positions.clone()
-    general = build_tree_step([budget] * num_reqs, logits_indices, kept.parents, kept.depths, slots.tolist(), width,
-                              positions=general_positions)  # fmt: skip
+    general = build_tree_step([num_drafts] * num_reqs, logits_indices, kept.parents, kept.depths, slots.tolist(),
+                              width, positions=general_positions)  # fmt: skip
     layouts = UniformStepLayouts(width, torch.device("cpu"))
-    for _ in range(2):  # the second step reuses the batch size's constants
+    for _ in range(2):  # the second step reuses the shape's constants
         positions = uniform_positions.clone()
         uniform = build_uniform_tree_step(layouts, num_reqs, logits_indices, kept.parents, kept.depths, slots,
-                                          positions=positions)  # fmt: skip
+                                          positions=positions, num_nodes=num_nodes)  # fmt: skip
         for field in ("num_nodes", "parents", "depths", "node_rows", "node_token_index", "tree_reqs",
                       "num_walk_nodes"):  # fmt: skip
             assert torch.equal(getattr(uniform, field), getattr(general, field)), field
         assert np.array_equal(uniform.num_nodes_cpu, general.num_nodes_cpu)
         assert np.array_equal(uniform.tree_reqs_cpu, general.tree_reqs_cpu)
         assert torch.equal(positions, general_positions)
+
+
+def test_capture_attaches_trees_to_every_uniform_verification_length():
+    """With `num_speculative_tokens_per_batch_size`, V2 captures uniform FULL graphs for each draft length n + 1
+    <= B + 1: each must hold tree attention (a graph captured without it would replay causal attention for trees).
+    One-token and mixed batches hold none."""
+    from vllm_ddtree.runner_v2 import uniform_verification_nodes
+
+    def batch(tokens_per_req):
+        counts = np.asarray(tokens_per_req, dtype=np.int32)
+        return SimpleNamespace(num_reqs=len(counts), num_tokens=int(counts.sum()), num_scheduled_tokens=counts)
+
+    width = 17
+    assert uniform_verification_nodes(batch([17] * 4), width) == 17
+    assert uniform_verification_nodes(batch([6] * 3), width) == 6
+    assert uniform_verification_nodes(batch([2]), width) == 2
+    assert uniform_verification_nodes(batch([1] * 8), width) is None  # plain decodes
+    assert uniform_verification_nodes(batch([6, 6, 3]), width) is None  # mixed
+    assert uniform_verification_nodes(batch([32, 32]), width) is None  # a prefill longer than any tree

@@ -85,10 +85,11 @@ class PersistentTreeBuffers:
         )
 
 
-def dummy_tree_step(num_reqs: int, width: int, device: torch.device) -> TreeStep:
-    """Every request a full chain of `width` nodes: the layout of a uniform verification batch (graph capture)."""
-    logits_indices = torch.arange(num_reqs * width, device=device)
-    return build_tree_step([width - 1] * num_reqs, logits_indices, None, None, [-1] * num_reqs, width)
+def dummy_tree_step(num_reqs: int, num_nodes: int, width: int, device: torch.device) -> TreeStep:
+    """Every request a chain of `num_nodes` <= `width` nodes, padded to `width`: the layout of a uniform verification
+    batch (graph capture)."""
+    logits_indices = torch.arange(num_reqs * num_nodes, device=device)
+    return build_tree_step([num_nodes - 1] * num_reqs, logits_indices, None, None, [-1] * num_reqs, width)
 
 
 def tree_attention_builder(layer_names, cudagraph_mode, max_reqs: int, width: int, device, logger):

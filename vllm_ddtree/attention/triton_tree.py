@@ -25,8 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_ddtree.triton_jit import jit_unspecialized
 
-@triton.jit
+
+@jit_unspecialized("stride_clh", "split_len", "num_splits")  # they change with the step
 def _tree_attention_kernel(
     Q,  # [num_tokens, Hq, D]
     K,  # [num_blocks, page, Hkv, D] (last dim contiguous)
@@ -37,8 +39,8 @@ def _tree_attention_kernel(
     NumNodes,  # [T] int64, valid nodes, root included
     NodeMask,  # [T, WIDTH, WIDTH] uint8, 1 = may attend
     Out,  # [num_tokens, Hq, D]
-    PartO,  # [T, Hq, WIDTH, NUM_SPLITS, D] float32 (only with NUM_SPLITS > 1)
-    PartLse,  # [T, Hq, WIDTH, NUM_SPLITS] float32, log2-sum-exp2 of each split
+    PartO,  # [T, Hq, WIDTH, num_splits, D] float32 (only with num_splits > 1)
+    PartLse,  # [T, Hq, WIDTH, num_splits] float32, log2-sum-exp2 of each split
     CtxO,  # [num_tokens, Hq, D] attention over the context alone (TREE_ONLY), by token row
     CtxLse,  # [Hq, num_tokens] float32, its natural-log LSE (FlashAttention's layout; TREE_ONLY)
     stride_qt,
@@ -177,35 +179,35 @@ def _tree_attention_kernel(
         tl.store(PartO + part_row[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@jit_unspecialized("num_splits")
 def _merge_splits_kernel(
-    PartO,  # [T, Hq, WIDTH, NUM_SPLITS, D] float32
-    PartLse,  # [T, Hq, WIDTH, NUM_SPLITS] float32
+    PartO,  # [T, Hq, WIDTH, num_splits, D] float32
+    PartLse,  # [T, Hq, WIDTH, num_splits] float32
     QueryStart,  # [T] int64
     NumNodes,  # [T] int64
     Out,  # [num_tokens, Hq, D]
     stride_ot,
     stride_oh,
+    num_splits,  # runtime, so a new split count does not recompile
     NUM_Q_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     WIDTH: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # power of two >= MAX_SPLITS
 ):
     pid = tl.program_id(0)  # t * WIDTH + node
     head = tl.program_id(1)
     t = pid // WIDTH
     node = pid % WIDTH
     if node < tl.load(NumNodes + t):
-        part_row = ((t.to(tl.int64) * NUM_Q_HEADS + head) * WIDTH + node) * NUM_SPLITS
+        part_row = ((t.to(tl.int64) * NUM_Q_HEADS + head) * WIDTH + node) * num_splits
         s = tl.arange(0, BLOCK_S)
         d = tl.arange(0, BLOCK_D)
-        lse = tl.load(PartLse + part_row + s, mask=s < NUM_SPLITS, other=float("-inf"))  # [BLOCK_S]
+        lse = tl.load(PartLse + part_row + s, mask=s < num_splits, other=float("-inf"))  # [BLOCK_S]
         w = tl.exp2(lse - tl.max(lse, axis=0))  # empty splits weigh 0; at least one split holds the node's own key
         o = tl.load(
             PartO + (part_row + s)[:, None] * HEAD_DIM + d[None, :],
-            mask=(s < NUM_SPLITS)[:, None] & (d < HEAD_DIM)[None, :],
+            mask=(s < num_splits)[:, None] & (d < HEAD_DIM)[None, :],
             other=0.0,
         )  # [BLOCK_S, BLOCK_D]
         out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
@@ -307,6 +309,7 @@ def _tree_attention(
         num_splits, split_len = plan_splits(num_trees * m_tiles * num_kv_heads, max_seq_len, block_n, num_sms)
     else:
         split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
+    assert 1 <= num_splits <= MAX_SPLITS, num_splits  # the merge kernel reads up to MAX_SPLITS splits
     partial = num_splits > 1 and not tree_only  # the kernel writes (out, lse) per split, a merge writes `output`
     if partial:
         part_o = torch.empty((num_trees, num_q_heads, width, num_splits, head_dim), dtype=torch.float32,
@@ -334,7 +337,7 @@ def _tree_attention(
     )  # fmt: skip
     if partial:
         _merge_splits_kernel[(num_trees * width, num_q_heads)](
-            part_o, part_lse, query_start, num_nodes, output, output.stride(0), output.stride(1),
-            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, WIDTH=width, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+            part_o, part_lse, query_start, num_nodes, output, output.stride(0), output.stride(1), num_splits,
+            NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, WIDTH=width,
+            BLOCK_S=triton.next_power_of_2(MAX_SPLITS), num_warps=4,
         )  # fmt: skip

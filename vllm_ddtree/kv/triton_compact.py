@@ -15,10 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_ddtree.triton_jit import jit_unspecialized
+
 _COPY_TYPE = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
 
-@triton.jit
+@jit_unspecialized()
 def _compact_kv_kernel(
     LayerBase,  # [L] int64 address of each layer's key at slot 0, head 0
     SrcSlot,  # [R, M] int64

@@ -18,8 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_ddtree.triton_jit import jit_unspecialized
 
-@triton.jit
+
+@jit_unspecialized()
 def _best_first_kernel(
     lp_ptr,  # [R, D, K] float32 per-depth top-K log-probs, non-increasing along K
     tok_ptr,  # [R, D, K] int64 their token ids

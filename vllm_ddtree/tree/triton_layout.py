@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_ddtree.triton_jit import jit_unspecialized
+
 
 @triton.jit
 def _ancestor_row(parents_ptr, req, node, N, cols):
@@ -24,7 +26,7 @@ def _ancestor_row(parents_ptr, req, node, N, cols):
     return row
 
 
-@triton.jit
+@jit_unspecialized()
 def _ancestor_mask_kernel(
     parents_ptr,  # [R, N] int64, -1 for the root
     mask_ptr,  # [R, N, N] bool (as int8)
@@ -38,7 +40,7 @@ def _ancestor_mask_kernel(
     tl.store(mask_ptr + (req * N + node) * N + cols, row.to(tl.int8), mask=cols < N)
 
 
-@triton.jit
+@jit_unspecialized()
 def _padded_tree_inputs_kernel(
     parents_ptr,  # [R, N] int64, -1 for the root
     num_nodes_ptr,  # [R] int64

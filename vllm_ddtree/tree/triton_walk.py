@@ -13,8 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_ddtree.triton_jit import jit_unspecialized
 
-@triton.jit
+
+@jit_unspecialized()
 def _walk_kernel(
     token_ptr,  # [R, N] int64 node tokens
     parent_ptr,  # [R, N] int64, -1 for the root

@@ -128,42 +128,45 @@ def _lay_out(
 
 
 class UniformStepLayouts:
-    """The host-side part of `build_tree_step` for uniform verification steps (every request has B drafts and a kept
-    tree: Model Runner V2's decode steps), computed and uploaded once per batch size instead of every step."""
+    """The host-side part of `build_tree_step` for uniform verification steps (every request has the same n drafts
+    and a kept tree: Model Runner V2's decode steps; n < B under `num_speculative_tokens_per_batch_size`), computed
+    and uploaded once per (batch size, n) instead of every step."""
 
     def __init__(self, width: int, device: torch.device):
         self.width, self.device = width, device
-        self._by_num_reqs: dict[int, tuple] = {}
+        self._by_shape: dict[tuple[int, int], tuple] = {}
 
-    def constants(self, num_reqs: int) -> tuple:
+    def constants(self, num_reqs: int, num_nodes: int) -> tuple:
         """(num_nodes [R], node_rows [R, N], node [R, N], tree_reqs [T = R]) on the device, and their host copies
-        (num_nodes_cpu, tree_reqs_cpu)."""
-        if num_reqs not in self._by_num_reqs:
-            width = self.width
-            num_nodes_cpu = np.full(num_reqs, width, dtype=np.int64)
+        (num_nodes_cpu, tree_reqs_cpu), for `num_nodes` <= N nodes per request."""
+        key = (num_reqs, num_nodes)
+        if key not in self._by_shape:
+            num_nodes_cpu = np.full(num_reqs, num_nodes, dtype=np.int64)
             tree_reqs_cpu = np.arange(num_reqs, dtype=np.int64)
-            node_rows = torch.arange(num_reqs * width, dtype=torch.int64, device=self.device).view(num_reqs, width)
-            node = torch.arange(width, dtype=torch.int64, device=self.device).expand(num_reqs, width).contiguous()
-            device_part = (torch.from_numpy(num_nodes_cpu).to(self.device), node_rows, node,
-                           torch.from_numpy(tree_reqs_cpu).to(self.device))  # fmt: skip
-            self._by_num_reqs[num_reqs] = (*device_part, num_nodes_cpu, tree_reqs_cpu)
-        return self._by_num_reqs[num_reqs]
+            node_cpu = padded_node_index(num_nodes_cpu, self.width)  # [R, N]
+            node_rows_cpu = np.arange(num_reqs)[:, None] * num_nodes + node_cpu
+            device_part = [torch.from_numpy(a).to(self.device)
+                           for a in (num_nodes_cpu, node_rows_cpu, node_cpu, tree_reqs_cpu)]  # fmt: skip
+            self._by_shape[key] = (*device_part, num_nodes_cpu, tree_reqs_cpu)
+        return self._by_shape[key]
 
 
 def build_uniform_tree_step(
     layouts: UniformStepLayouts,
     num_reqs: int,
-    logits_indices: torch.Tensor,  # [R * N] scheduled-token index of each logits row
+    logits_indices: torch.Tensor,  # [R * n] scheduled-token index of each logits row
     prev_parents: torch.Tensor,  # [S, N] the trees kept by request slot
     prev_depths: torch.Tensor,  # [S, N]
     kept_rows: torch.Tensor,  # [R] integer, device: the request slot of each request (V2's idx_mapping)
     positions: torch.Tensor | None = None,  # [num_tokens] if given, tree positions are set
+    num_nodes: int | None = None,  # n nodes per request, root included (default N: the whole tree)
 ) -> TreeStep:
     """`build_tree_step` for a uniform step, with nothing computed or uploaded from the host: the same TreeStep as
-    `build_tree_step([B] * R, logits_indices, prev_parents, prev_depths, kept_rows.tolist(), N, positions)`."""
-    num_nodes, node_rows, node, tree_reqs, num_nodes_cpu, tree_reqs_cpu = layouts.constants(num_reqs)
+    `build_tree_step([n - 1] * R, logits_indices, prev_parents, prev_depths, kept_rows.tolist(), N, positions)`."""
+    constants = layouts.constants(num_reqs, layouts.width if num_nodes is None else num_nodes)
+    num_nodes_t, node_rows, node, tree_reqs, num_nodes_cpu, tree_reqs_cpu = constants
     return _lay_out(
-        num_nodes, node_rows, node, tree_reqs, kept_rows, num_nodes, num_nodes_cpu, tree_reqs_cpu, logits_indices,
+        num_nodes_t, node_rows, node, tree_reqs, kept_rows, num_nodes_t, num_nodes_cpu, tree_reqs_cpu, logits_indices,
         prev_parents, prev_depths, positions,
     )  # fmt: skip
 

@@ -13,8 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_ddtree.triton_jit import jit_unspecialized
 
-@triton.jit
+
+@jit_unspecialized()
 def _tree_step_layout_kernel(
     num_nodes_ptr,  # [R] int64 nodes scheduled per request, root included
     node_rows_ptr,  # [R, N] int64 logits row of each (padded) node

@@ -1,0 +1,36 @@
+"""scripts/bench_step.py: DDTree's bookkeeping kernels per step from a torch profile."""
+
+import importlib.util
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_step.py"
+
+
+def load_bench_step():
+    spec = importlib.util.spec_from_file_location("bench_step_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    with mock.patch.dict(os.environ):  # the script sets vLLM's in-process switch for itself, not for later tests
+        spec.loader.exec_module(module)
+    return module
+
+
+def test_bookkeeping_kernels_are_summed_per_step_apart_from_the_rest():
+    bench = load_bench_step()
+
+    def event(key, device, us):
+        return SimpleNamespace(key=key, device_type=f"DeviceType.{device}", self_device_time_total=us)
+
+    averages = [
+        event("_walk_kernel", "CUDA", 40.0),
+        event("_tree_step_layout_kernel", "CUDA", 80.0),
+        event("_tree_attention_kernel", "CUDA", 1000.0),  # verification, not bookkeeping
+        event("sm90_xmma_gemm_bf16", "CUDA", 6000.0),
+        event("aten::mm", "CPU", 500.0),  # host ops are not kernels
+    ]
+    got = bench.kernel_times_per_step(averages, steps=8)
+    assert got["all_kernels_us"] == (40 + 80 + 1000 + 6000) / 8
+    assert got["bookkeeping_us"] == (40 + 80) / 8
+    assert got["bookkeeping_kernels_us"] == {"_tree_step_layout_kernel": 10.0, "_walk_kernel": 5.0}
