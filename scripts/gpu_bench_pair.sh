@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device call(s) once the bundle and .gpu/data, .gpu/g1-g3 are staged: scripts/benchmark.py on the default pair
 # (SmolLM2-135M-Instruct bf16 + the shipped drafter, or DRAFTER), held-out prompts, answers end at EOS (at most 256 tokens),
-# CUDA graphs on. METHODS limits one call to some methods; results accumulate in PAIR_DIR (--resume; default
+# CUDA graphs on. METHODS limits one call to some methods (SCHEDULES="1-2:64,3-64:16 ..." adds DDTree budgets per
+# batch size, run as methods ddtree-<schedule>); results accumulate in PAIR_DIR (--resume; default
 # /tmp/pair-bench: a run under other settings, e.g. VLLM_DDTREE_BACKEND_ROWS=1, takes a folder of its own).
 # benchmark.py writes its results after every method straight into $OUT/pair (a call cut by its time limit still
 # brings back what it measured: session 13 lost a whole call's rows to a copy that came after the limit).
@@ -15,7 +16,8 @@ pair=${PAIR_DIR:-/tmp/pair-bench}
 mkdir -p "$pair" "$OUT/pair" && cp "$pair"/* "$OUT/pair/" 2>/dev/null
 timeout "${BENCH_S:-540}" python scripts/benchmark.py --target /tmp/smollm2 --drafter "$drafter" \
   --budgets 8 16 32 64 128 --batch-sizes ${BATCHES:-1 4 16 64} --temperatures 0 1 --max-tokens 256 --stop-at-eos \
-  --min-prompts 16 --out "$OUT/pair" --resume ${METHODS:+--methods $METHODS} > "$OUT/bench_pair.log" 2>&1
+  --min-prompts 16 --out "$OUT/pair" --resume ${SCHEDULES:+--schedules $SCHEDULES} ${METHODS:+--methods $METHODS} \
+  > "$OUT/bench_pair.log" 2>&1
 echo "bench rc=$?"
 cp "$OUT"/pair/* "$pair"/ 2>/dev/null
 grep -a "Error\|error" "$OUT/bench_pair.log" | grep -v "Warning" | tail -5
