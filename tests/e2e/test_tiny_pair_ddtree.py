@@ -110,3 +110,18 @@ def test_budget_per_batch_size(prompts, baseline):
     assert small * drafts < draft_tokens < budget * drafts  # both tree sizes were verified
     assert per_pos[small] > 0  # paths past the small tree's reach: the whole tree at small batches
     assert result.acceptance_length > 2.0, m
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="CUDA graphs: GPU only")
+def test_bookkeeping_graphs_keep_the_output(prompts, baseline, monkeypatch):
+    """VLLM_DDTREE_BOOKKEEPING_GRAPHS=1 (experimental, Model Runner V2): the tree layout, the walk with the KV
+    compaction, and the tree build replay from CUDA graphs per step shape. With a per-batch-size budget the run
+    meets many shapes (request counts x two tree sizes, and mixed steps that stay eager); the output stays
+    token-identical to vLLM without speculation, with long accepted paths (their KV moved by the graphed
+    compaction)."""
+    monkeypatch.setenv("VLLM_DDTREE_BOOKKEEPING_GRAPHS", "1")
+    spec = dict(ddtree(31), num_speculative_tokens_per_batch_size=[[1, 3, 31], [4, 8, 5], [9, 64, 0]])
+    result = run(TARGET, spec, prompts, greedy(96), **ENGINE)
+    assert result.token_ids == baseline.token_ids
+    assert result.finish_reasons == baseline.finish_reasons
+    assert result.acceptance_length > 2.0, result.metrics
