@@ -9,11 +9,18 @@
 # it adds two layers that start as the identity (DFlashDrafter.add_layers). RESPONSES=1 keeps the greedy answers only
 # (half the ~4.4 min of generation; session 17). Training stops 120 s before TRAIN_S (--time-limit-s) and saves the
 # drafter, a held-out point and the report as at its last step, so a call cut short still brings a drafter back.
+# SAVE_RESPONSES=1 brings the generated answers back; carried later as .gpu/answers they skip the generation.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
 export PYTHONPATH="/tmp/pkgs:$PYTHONPATH"
 python scripts/convert_smollm2.py --out /tmp/smollm2 > "$OUT/convert.log" 2>&1 || { tail -20 "$OUT/convert.log"; exit 1; }
+# Answers of an earlier session (SAVE_RESPONSES=1 below brought them back; kept here in .gpu/answers, carried): the
+# ~4.4 min of generation are skipped. train_drafter.py reads them by position, so PROMPTS and RESPONSES must match.
+mkdir -p /tmp/smollm2-dflash
+if [ -f .gpu/answers/responses.jsonl.xz ] && [ ! -f /tmp/smollm2-dflash/responses.jsonl ]; then
+  xz -dc .gpu/answers/responses.jsonl.xz > /tmp/smollm2-dflash/responses.jsonl && echo "answers: $(wc -l < /tmp/smollm2-dflash/responses.jsonl) from .gpu/answers"
+fi
 resume=""; [ -d /tmp/smollm2-dflash/checkpoints ] && resume="--resume"
 timeout "${TRAIN_S:-540}" python scripts/train_drafter.py --target /tmp/smollm2 --out /tmp/smollm2-dflash \
   --block-size 16 --num-layers "${NUM_LAYERS:-2}" --num-prompts "${PROMPTS:-16000}" --generator "${GENERATOR:-vllm}" \
@@ -26,4 +33,10 @@ if [ -f /tmp/smollm2-dflash/report.json ]; then
   cp /tmp/smollm2-dflash/report.json /tmp/smollm2-dflash/train_config.json "$OUT/"
   tar -C /tmp/smollm2-dflash -cJf - drafter | split -b 15M -d - "$OUT/drafter.tar.xz.part"
   ls -la "$OUT"
+fi
+# SAVE_RESPONSES=1: the answers come back too (at most 8 files per call: the drafter's parts may need a call of
+# their own). Here: `cat <files_at>/responses.jsonl.xz.part* > .gpu/answers/responses.jsonl.xz`.
+if [ "${SAVE_RESPONSES:-0}" = 1 ] && [ -f /tmp/smollm2-dflash/responses.jsonl ]; then
+  xz -T0 -6 -c /tmp/smollm2-dflash/responses.jsonl | split -b 15M -d - "$OUT/responses.jsonl.xz.part"
+  ls -la "$OUT"/responses.jsonl.xz.part*
 fi
