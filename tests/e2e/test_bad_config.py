@@ -74,3 +74,10 @@ def test_budget_above_what_the_tree_can_hold(target, tmp_path):
     drafter = drafter_with(tmp_path, lambda c: None)  # block size 4: depth 3
     spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": 8, "max_topk": 1}
     expect_error(target, spec, ValueError, r"num_speculative_tokens=8 is more nodes than a tree of depth 3")
+
+
+def test_budget_per_batch_size_above_the_budget(target, tmp_path):
+    drafter = drafter_with(tmp_path, lambda c: None)
+    spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": 4,
+            "num_speculative_tokens_per_batch_size": [[1, 2, 4], [3, 64, 8]]}  # fmt: skip
+    expect_error(target, spec, ValueError, r"entry \[3, 64, 8\] asks for 8 nodes")
