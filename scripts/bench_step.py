@@ -267,9 +267,10 @@ def print_table(rows: list[dict]) -> None:
             print(f"{r['method']} batch {r['batch']} counts: {prof['counts']}")  # e.g. the target's CUDA-graph mode
         kernels = r.get("kernels")
         if kernels and kernels["all_kernels_us"]:
+            share = kernels["bookkeeping_us"] / 10 / r["step_ms_median"]  # percent of the step
             print(f"{r['method']} batch {r['batch']} kernels per step: all {kernels['all_kernels_us']:.0f} us, DDTree "
-                  f"bookkeeping {kernels['bookkeeping_us']:.1f} us = {kernels['bookkeeping_us'] / 10 / r['step_ms_median']:.2f}% "
-                  f"of the {r['step_ms_median']:.2f} ms step ({kernels['bookkeeping_kernels_us']})")
+                  f"bookkeeping {kernels['bookkeeping_us']:.1f} us = {share:.2f}% of the {r['step_ms_median']:.2f} ms "
+                  f"step ({kernels['bookkeeping_kernels_us']})")
 
 
 def argv_with_methods(argv: list[str], method: str) -> list[str]:

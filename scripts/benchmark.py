@@ -25,7 +25,9 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_t
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
-def methods(drafter: str | None, block_size: int, budgets: list[int], schedules: list[str] = ()) -> list[tuple[str, dict | None]]:
+def methods(
+    drafter: str | None, block_size: int, budgets: list[int], schedules: list[str] = ()
+) -> list[tuple[str, dict | None]]:
     out: list[tuple[str, dict | None]] = [("none", None)]
     if drafter:
         chain = {"method": "dflash", "model": drafter, "num_speculative_tokens": block_size - 1}
@@ -324,7 +326,8 @@ def main() -> None:
         # CUDA-graph capture with max_num_seqs = 1 (H200, 2026-11-30); 16 ran in session 12.
         max_num_seqs = max(*args.batch_sizes, 16)
         draft_slots = (spec["num_speculative_tokens"] + 2) if spec else 0
-        graph_sizes = args.cudagraph_capture_sizes or capture_sizes(drafts_by_batch_size(spec, max_num_seqs), block_size)
+        drafts = drafts_by_batch_size(spec, max_num_seqs)
+        graph_sizes = args.cudagraph_capture_sizes or capture_sizes(drafts, block_size)
         with model_runner_for(name):
             llm = LLM(
                 model=args.target, speculative_config=spec, dtype=args.dtype, max_model_len=args.max_model_len,

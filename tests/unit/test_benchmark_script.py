@@ -51,7 +51,8 @@ def test_capture_sizes_hold_every_request_counts_uniform_step_exactly():
     Budgets that do not divide a power of two (B + 1 = 65, 17) are the case power-of-two lists got wrong; with a
     budget per batch size (`--schedules`) each request count's own step is in the list."""
     bench = load_benchmark()
-    schedule = {"num_speculative_tokens": 64, "num_speculative_tokens_per_batch_size": bench.parse_schedule("1-4:64,5-64:16")}
+    schedule = {"num_speculative_tokens": 64,
+                "num_speculative_tokens_per_batch_size": bench.parse_schedule("1-4:64,5-64:16")}
     cases = [(64, 16), (16, 16), (15, 16), (0, 0)]
     for spec, block in [({"num_speculative_tokens": b}, block) for b, block in cases] + [(schedule, 16)]:
         drafts = bench.drafts_by_batch_size(spec if spec["num_speculative_tokens"] else None, 64)
