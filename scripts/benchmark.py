@@ -340,12 +340,16 @@ def main() -> None:
         init_s = time.perf_counter() - start
         if prompts is None:
             prompts = load_prompts(args, llm.get_tokenizer() if args.load_format != "dummy" else None)
-        # Warm-up at every measured batch size and temperature: first-time work (Triton compiles for a new
+        # Warm-up at every measured batch size and temperature, and at every request count up to the largest (a
+        # batch shrinks through all of them as answers end at EOS): first-time work (Triton compiles for a new
         # shape, lazily built sampling paths) must not land in the timed runs (seen on the H200 in session 12:
-        # DDTree B=16 at T=0, batch 16, the first batch-16 run, took 1.7x longer than at T=1).
+        # DDTree B=16 at T=0, batch 16, the first batch-16 run, took 1.7x longer than at T=1; session 18: vLLM's
+        # JIT monitor saw DDTree's kernels compile after the engine's own warm-up).
         for temperature in args.temperatures:
             for batch in args.batch_sizes:
                 measure(llm, prompts[:batch], batch, temperature, 32, seed=0)
+            for count in range(1, max(args.batch_sizes) + 1):
+                measure(llm, prompts[:count], count, temperature, 8, seed=0)
         for temperature in args.temperatures:
             for batch in args.batch_sizes:
                 group = prompts[: max(batch, args.min_prompts)]
