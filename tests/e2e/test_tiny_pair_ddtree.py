@@ -119,9 +119,22 @@ def test_bookkeeping_graphs_keep_the_output(prompts, baseline, monkeypatch):
     meets many shapes (request counts x two tree sizes, and mixed steps that stay eager); the output stays
     token-identical to vLLM without speculation, with long accepted paths (their KV moved by the graphed
     compaction)."""
+    from tests.e2e.engine import generate
+
     monkeypatch.setenv("VLLM_DDTREE_BOOKKEEPING_GRAPHS", "1")
     spec = dict(ddtree(31), num_speculative_tokens_per_batch_size=[[1, 3, 31], [4, 8, 5], [9, 64, 0]])
-    result = run(TARGET, spec, prompts, greedy(96), **ENGINE)
+    llm = make_llm(TARGET, spec, **ENGINE)
+    try:
+        result = generate(llm, prompts, greedy(96))
+        captured = llm.collective_rpc(_captured_bookkeeping_graphs)
+    finally:
+        close(llm)
     assert result.token_ids == baseline.token_ids
     assert result.finish_reasons == baseline.finish_reasons
     assert result.acceptance_length > 2.0, result.metrics
+    assert captured[0] > 0, "no bookkeeping graph was captured (a failed capture runs eagerly: see the log)"
+
+
+def _captured_bookkeeping_graphs(worker) -> int:
+    """Runs in the worker (`LLM.collective_rpc`): how many step shapes the DDTree runner replays from CUDA graphs."""
+    return len(worker.model_runner._ddtree.graphs)
