@@ -68,7 +68,7 @@ def request_counts_without_full_graph(
     for nodes in {n + 1 for n in drafts[1:] if n > 0}:
         for size in capture_sizes:
             tokens = -(-size // nodes) * nodes
-            if tokens <= min(max_decode, max_capture_size):
+            if tokens <= min(max_decode, max_capture_size) and tokens // nodes <= max_num_reqs:
                 full.setdefault(tokens, set()).add(nodes)
     buckets = sorted(set(full) | set(capture_sizes))
     missing = []
