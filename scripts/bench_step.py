@@ -10,9 +10,9 @@ DDTree a second, profiled pass (VLLM_DDTREE_PROFILE, one sync per step) gives th
     python scripts/bench_step.py --methods ddtree --out /tmp/step.json   # merges into the same file
     python scripts/bench_step.py --target T --drafter D --methods none,dflash,dflash-v1,ddtree --torch-profile
 
-`dflash-v1` runs vLLM's chain on the V1 model runner, the one DDTree hooks by default (vLLM 0.26 runs `dflash` on Model
-Runner V2), so the DDTree/chain ratio can be split into runner and tree costs; `ddtree-v2` runs DDTree on Model
-Runner V2 (VLLM_DDTREE_RUNNER=v2).
+`ddtree` and `dflash` run on the model runner vLLM picks (Model Runner V2 on vLLM 0.26's GPU build); `dflash-v1` and
+`ddtree-v1` force the V1 runner, `ddtree-v2` forces V2 (VLLM_DDTREE_RUNNER), so a ratio can be split into runner
+and tree costs. `--torch-profile` also prints the GPU time per step of DDTree's bookkeeping kernels.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def write_models(root: Path) -> tuple[str, str]:
 
 
 def spec_for(method: str, drafter: str, budget: int):
-    """`dflash-v1` is vLLM's DFlash chain on the V1 model runner (DDTree's default runner), `dflash` on vLLM's
-    default; `ddtree-v2` is DDTree on Model Runner V2 (`compat.model_runner_for`)."""
+    """A method name's speculative config: a "-v1" / "-v2" suffix only picks the model runner
+    (`compat.model_runner_for`); `dflash` and `ddtree` run on vLLM's choice."""
     from vllm_ddtree.compat import method_without_runner
 
     if method == "none":
@@ -227,7 +227,7 @@ def run_method(method: str, target: str, drafter: str, args) -> list[dict]:
     for batch in args.batches:
         row = measure(llm, method, batch, args.prompt_len, args.steps, args.repeats, vocab)
         row["engine_init_s"] = init_s
-        if method in ("ddtree", "ddtree-v2"):  # per-phase timer (profiling.py)
+        if method.startswith("ddtree"):  # per-phase timer (profiling.py)
             row["profile"] = profile_pass(llm, batch, args.prompt_len, args.steps, Path(args.out).with_suffix(
                 f".{method}.profile{batch}.json"))  # fmt: skip
         if args.torch_profile:
