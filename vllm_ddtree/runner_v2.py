@@ -53,7 +53,7 @@ class DDTreeV2State:
 
 
 def request_counts_without_full_graph(
-    capture_sizes: list[int], drafts: list[int], width: int, max_num_reqs: int, max_capture_size: int
+    capture_sizes: list[int], drafts: list[int], width: int, max_capture_size: int
 ) -> list[int]:
     """Request counts r whose uniform verification step (r x (drafts[r] + 1) tokens, within the capture sizes) gets
     no FULL graph from Model Runner V2 (vLLM 0.26's `CudaGraphManager`): a step runs under the graphs of the
@@ -63,6 +63,7 @@ def request_counts_without_full_graph(
     -> the 256-token piecewise graph). vLLM's default sizes (steps of 8 to 256 tokens, then 16) leave out none
     while B + 1 exceeds the step: with B + 1 = 9, the request counts whose steps fall between 256 and 512 tokens
     are left out. `drafts`: [max_num_reqs + 1] (`compat.drafts_by_batch_size`); `width`: B + 1."""
+    max_num_reqs = len(drafts) - 1
     max_decode = max_num_reqs * width  # V2 sizes its decode graphs by the largest step
     full: dict[int, set[int]] = {}  # token count -> tokens per request of its FULL uniform graphs
     for nodes in {n + 1 for n in drafts[1:] if n > 0}:
@@ -99,7 +100,7 @@ def _log_cuda_graph_coverage(compilation_config, drafts: list[int], width: int, 
             "%d covers them all.",
             max_size, largest_step, max_num_reqs, largest_step,
         )  # fmt: skip
-    missing = request_counts_without_full_graph(sizes, drafts, width, max_num_reqs, max_size)
+    missing = request_counts_without_full_graph(sizes, drafts, width, max_size)
     if missing:
         logger.warning(
             "DDTree: with cudagraph_capture_sizes %s, Model Runner V2 has no FULL CUDA graph for verification steps "

@@ -67,18 +67,18 @@ def test_model_runner_v2_leaves_tree_steps_without_full_graphs_under_power_of_tw
     from vllm_ddtree.runner_v2 import request_counts_without_full_graph as missing_of
 
     powers = [2**k for k in range(14)]
-    missing = missing_of(powers, uniform(64, 64), 65, 64, 8192)
+    missing = missing_of(powers, uniform(64, 64), 65, 8192)
     assert missing[:4] == [3, 5, 6, 7] and not {1, 2, 4, 8, 16, 32, 64} & set(missing)
-    assert missing_of(powers, uniform(15, 64), 16, 64, 8192) == []  # the chain's B + 1 = 16
+    assert missing_of(powers, uniform(15, 64), 16, 8192) == []  # the chain's B + 1 = 16
     for budget in (64, 16, 15):
-        assert missing_of(vllm_default_capture_sizes(), uniform(budget, 256), budget + 1, 256, 512) == []
+        assert missing_of(vllm_default_capture_sizes(), uniform(budget, 256), budget + 1, 512) == []
     # B + 1 = 9 is below the default list's step of 16 above 256 tokens: 30 requests (270 tokens) -> the 272 bucket
-    small = missing_of(vllm_default_capture_sizes(), uniform(8, 256), 9, 256, 512)
+    small = missing_of(vllm_default_capture_sizes(), uniform(8, 256), 9, 512)
     assert 30 in small and min(small) * 9 > 256
     from test_benchmark_script import load_benchmark
 
     bench_sizes = load_benchmark().capture_sizes(uniform(64, 64), 16)
-    assert missing_of(bench_sizes, uniform(64, 64), 65, 64, max(bench_sizes)) == []
+    assert missing_of(bench_sizes, uniform(64, 64), 65, max(bench_sizes)) == []
 
 
 def test_budget_per_batch_size_needs_the_sizes_of_each_tier():
@@ -90,12 +90,12 @@ def test_budget_per_batch_size_needs_the_sizes_of_each_tier():
 
     drafts = [0] + [64] * 4 + [15] * 60
     powers = [2**k for k in range(14)]
-    assert missing_of(powers, drafts, 65, 64, 8192) == [3]
-    assert missing_of(powers, [0] + [64] * 4 + [0] * 60, 65, 64, 8192) == [3]  # no speculation: nothing to cover
+    assert missing_of(powers, drafts, 65, 8192) == [3]
+    assert missing_of(powers, [0] + [64] * 4 + [0] * 60, 65, 8192) == [3]  # no speculation: nothing to cover
     from test_benchmark_script import load_benchmark
 
     bench_sizes = load_benchmark().capture_sizes(drafts, 16)
-    assert missing_of(bench_sizes, drafts, 65, 64, max(bench_sizes)) == []
+    assert missing_of(bench_sizes, drafts, 65, max(bench_sizes)) == []
 
 
 def test_the_gap_is_logged_with_the_sizes_that_close_it(caplog):
