@@ -35,7 +35,7 @@ _PASSTHROUGH_KEYS = frozenset(
         "enforce_eager",
         "attention_backend",
         "kv_cache_dtype",
-        "num_speculative_tokens_per_batch_size",  # checked by `_budget_schedule`
+        "num_speculative_tokens_per_batch_size",  # checked by `_check_budget_schedule`
     }
 )
 # Keys of vLLM's SpeculativeConfig that select behaviour DDTree replaces or does not support (yet).
@@ -124,7 +124,7 @@ def split_ddtree_config(spec: dict[str, Any]) -> tuple[dict[str, Any], DDTreeCon
         )
     budget = _positive_int("num_speculative_tokens", spec["num_speculative_tokens"], MAX_BUDGET)
     if "num_speculative_tokens_per_batch_size" in spec:
-        _budget_schedule(spec["num_speculative_tokens_per_batch_size"], budget)
+        _check_budget_schedule(spec["num_speculative_tokens_per_batch_size"], budget)
     max_topk = spec.get("max_topk")
     max_depth = spec.get("max_depth")
     ddtree = DDTreeConfig(
@@ -137,7 +137,7 @@ def split_ddtree_config(spec: dict[str, Any]) -> tuple[dict[str, Any], DDTreeCon
     return dflash, ddtree
 
 
-def _budget_schedule(schedule: Any, budget: int) -> list[tuple[int, int, int]]:
+def _check_budget_schedule(schedule: Any, budget: int) -> None:
     """Check `num_speculative_tokens_per_batch_size`, vLLM's own key for a draft length per batch size, as DDTree
     reads it: [[first, last, nodes], ...] (inclusive request-count ranges, the first from 1, ascending, disjoint),
     each step verifying the first `nodes` nodes of every tree (a best-first tree's first n nodes are its best n,
@@ -172,7 +172,6 @@ def _budget_schedule(schedule: Any, budget: int) -> list[tuple[int, int, int]]:
     for (_, last, _), (first, _, _) in zip(ranges, ranges[1:]):
         if first <= last:
             raise fail(f"the ranges overlap at batch size {first}")
-    return ranges
 
 
 def validate_models(ddtree: DDTreeConfig, target_hf_config: Any, drafter_hf_config: Any, drafter_path: str) -> int:
