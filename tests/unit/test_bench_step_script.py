@@ -1,20 +1,12 @@
 """scripts/bench_step.py: DDTree's bookkeeping kernels per step from a torch profile."""
 
-import importlib.util
-import os
-from pathlib import Path
 from types import SimpleNamespace
-from unittest import mock
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_step.py"
+from test_benchmark_script import load_script
 
 
 def load_bench_step():
-    spec = importlib.util.spec_from_file_location("bench_step_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    with mock.patch.dict(os.environ):  # the script sets vLLM's in-process switch for itself, not for later tests
-        spec.loader.exec_module(module)
-    return module
+    return load_script("bench_step.py")  # it sets vLLM's in-process switch for itself, undone for later tests
 
 
 def test_bookkeeping_kernels_are_summed_per_step_apart_from_the_rest():

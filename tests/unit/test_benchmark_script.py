@@ -2,16 +2,24 @@
 speculation's (issue 3's bf16 check)."""
 
 import importlib.util
+import os
 from pathlib import Path
+from unittest import mock
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "benchmark.py"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+def load_script(name: str):
+    """scripts/`name` as a module; the environment variables it sets for itself (vLLM's switches) are undone."""
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py") + "_script", SCRIPTS / name)
+    module = importlib.util.module_from_spec(spec)
+    with mock.patch.dict(os.environ):
+        spec.loader.exec_module(module)
+    return module
 
 
 def load_benchmark():
-    spec = importlib.util.spec_from_file_location("benchmark_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmark.py")
 
 
 def test_first_difference_is_the_first_differing_index_or_the_shorter_length():
