@@ -26,7 +26,7 @@ timeout "${TRAIN_S:-540}" python scripts/train_drafter.py --target /tmp/smollm2 
   --block-size 16 --num-layers "${NUM_LAYERS:-2}" --num-prompts "${PROMPTS:-16000}" --generator "${GENERATOR:-vllm}" \
   --responses-per-prompt "${RESPONSES:-2}" --greedy-first --temperature 0.7 \
   --gen-batch-size 256 --steps "${STEPS:-4000}" --weight-decay 0.01 --eval-every 250 \
-  --batch-size 32 --loss-decay 7 --save-every 250 --time-limit-s "$(( ${TRAIN_S:-540} - 120 ))" $resume ${INIT_FROM:+--init-from "$INIT_FROM"} 2>&1 | tr '\r' '\n' | grep -v "^\s*$" | awk 'NR % 20 == 1 || /Error|error|warning|report|acceptance|heldout|generated|time limit|{/' \
+  --batch-size 32 --loss-decay 7 --save-every 250 --time-limit-s "$(( ${TRAIN_S:-540} - 120 ))" $resume ${INIT_FROM:+--init-from "$INIT_FROM"} 2>&1 | tr '\r' '\n' | grep -v "^\s*$" | awk 'NR % 20 == 1 || /Error|error|warning|report|acceptance|heldout|generated|time limit|feature store|{/' \
   > "$OUT/train.log"
 echo "train rc=${PIPESTATUS[0]}"; tail -5 "$OUT/train.log"
 if [ -f /tmp/smollm2-dflash/report.json ]; then

@@ -65,6 +65,8 @@ def parse_args(argv=None) -> TrainConfig:
                         "report as at the last step")
     p.add_argument("--init-from", default=None,
                    help="a saved drafter folder to start from (its architecture is kept; a new schedule and optimizer)")
+    p.add_argument("--no-feature-store", dest="feature_store", action="store_false",
+                   help="run the target at every step instead of once per answer before training (FeatureStore)")
     args = vars(p.parse_args(argv))
     threads = args.pop("threads")
     if threads:

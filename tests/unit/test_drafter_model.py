@@ -371,3 +371,55 @@ def test_a_time_limit_ends_training_early_with_a_drafter_and_a_report(tmp_path, 
     assert [p["step"] for p in report["heldout_curve"]] == [1] and report["final_loss"] is not None
     assert "simulated_acceptance_length" in report
     assert DFlashDrafter.load(drafter, torch.device("cpu")).config.block_size == 4
+
+
+def test_feature_store_rows_are_the_per_batch_features(tmp_path, one_cpu_thread):
+    """`FeatureStore`: built once over sequences of different lengths (batched longest first, a token budget that
+    splits them over several forwards), a gathered batch equals `target_features` of that padded batch at every
+    position a block can read (the oracle: the per-step path training used before)."""
+    from tests.tiny_models import make_tiny_target
+    from vllm_ddtree.drafter.features import FeatureStore, target_features
+    from vllm_ddtree.drafter.train import load_target
+
+    model, _ = load_target(str(make_tiny_target(tmp_path / "target", num_layers=3)), torch.device("cpu"), "float32")
+    rng = random.Random(0)
+    sequences = [[rng.randrange(3, 60) for _ in range(rng.randrange(2, 30))] for _ in range(9)]
+    layer_ids = [0, 2]
+    store = FeatureStore.build(model, sequences, layer_ids, pad_id=0, tokens_per_batch=60)
+    assert store.rows.shape == (sum(map(len, sequences)), 2 * 64)
+    assert FeatureStore.nbytes(sequences, 2 * 64, torch.float32) == store.rows.numel() * 4
+
+    chosen = [7, 2, 4]
+    T = max(len(sequences[i]) for i in chosen)
+    input_ids = torch.zeros((3, T), dtype=torch.long)
+    for b, i in enumerate(chosen):
+        input_ids[b, : len(sequences[i])] = torch.tensor(sequences[i])
+    seq_lens = torch.tensor([len(sequences[i]) for i in chosen])
+    expected = target_features(model, input_ids, seq_lens, layer_ids)  # [3, T, 128]
+    gathered = store.gather(chosen, T)
+    assert gathered.shape == expected.shape
+    for b in range(3):
+        n = int(seq_lens[b])
+        torch.testing.assert_close(gathered[b, :n], expected[b, :n], rtol=1e-4, atol=1e-5)
+        assert torch.equal(gathered[b, n:], gathered[b, n - 1 : n].expand(T - n, -1))  # padding repeats the last
+
+
+def test_training_with_the_feature_store_follows_the_per_step_features(tmp_path, one_cpu_thread, capsys):
+    """The same run with and without the store: the same batches (same random draws), so the same losses up to
+    float rounding, and the log says the store was built."""
+    from tests.tiny_models import make_tiny_target
+    from vllm_ddtree.drafter.train import TrainConfig, train
+
+    target = make_tiny_target(tmp_path / "target")
+    cfg = dict(target=str(target), block_size=4, num_layers=1, max_new_tokens=10, steps=3, batch_size=2,
+               anchors_per_seq=2, warmup_steps=1, eval_every=1, device="cpu")
+    prompts = [[5, 40, 90], [6, 41, 91], [7, 42, 92]]
+    curves = {}
+    for store in (True, False):
+        out = tmp_path / f"store-{store}"
+        train(TrainConfig(**cfg, out=str(out), feature_store=store), prompt_ids=prompts, eval_prompt_ids=[[7, 8, 9]])
+        curves[store] = json.loads((out / "report.json").read_text())["heldout_curve"]
+        assert ("feature store: 3 answers" in capsys.readouterr().out) == store
+    for with_store, without in zip(curves[True], curves[False]):
+        assert with_store["train_loss"] == pytest.approx(without["train_loss"], abs=1e-3)
+        assert with_store["heldout_loss"] == pytest.approx(without["heldout_loss"], abs=1e-3)

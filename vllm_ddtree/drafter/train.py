@@ -4,7 +4,8 @@ Stages (each a small function):
     prompts -> ``encode_prompts``       token ids (chat template when the tokenizer has one)
             -> ``generate_responses``   the target answers them (greedy or sampled); cached in OUT/responses.jsonl
             -> ``sample_blocks``        random anchors in each response; block = [anchor token, mask, ..., mask]
-            -> ``target_features``      target hidden states after ``target_layer_ids`` (HF, output_hidden_states)
+            -> ``target_features``      target hidden states after ``target_layer_ids`` (HF, output_hidden_states;
+                                        once per answer into a ``FeatureStore`` where it fits)
             -> ``block_loss``           cross-entropy at block offsets 1..S-1 against the target's tokens
     checkpoints in OUT/checkpoints/step-N (``resume=True`` continues from the newest), the final drafter in
     OUT/drafter (vLLM: ``speculative_config={"method": "dflash", "model": "OUT/drafter", ...}``).
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from vllm_ddtree.drafter.features import FeatureStore, store_fits, target_features
 from vllm_ddtree.drafter.model import DFlashDrafter, DrafterConfig
 
 IGNORE = -100
@@ -71,6 +73,9 @@ class TrainConfig:
     # and the run ends as at its last step: drafter saved, held-out point, report (`stopped_at` says where).
     # For device calls with a hard time bound (scripts/gpu_train.sh). None: run every step.
     time_limit_s: float | None = None
+    # Run the target over every answer once before the first step and keep the features on the device
+    # (``FeatureStore``) where they fit, instead of a target forward per step.
+    feature_store: bool = True
 
 
 @dataclass
@@ -159,27 +164,6 @@ def make_drafter_config(target_config, cfg: TrainConfig, tokenizer) -> DrafterCo
         max_position_embeddings=getattr(text, "max_position_embeddings", 32768),
         extra={k: getattr(text, k) for k in ("bos_token_id", "eos_token_id") if getattr(text, k, None) is not None},
     )
-
-
-@torch.no_grad()
-def target_features(model, input_ids: torch.Tensor, seq_lens: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
-    """Target residual stream after each layer in ``layer_ids``, concatenated: [B, T, len(layer_ids) * H].
-
-    HF's ``hidden_states[i + 1]`` is the output of decoder layer i, except for the last layer, where HF returns
-    the final-normed state; vLLM takes the un-normed one, so that one is caught at the final norm's input.
-    """
-    T = input_ids.shape[1]
-    attention_mask = (torch.arange(T, device=input_ids.device) < seq_lens.unsqueeze(-1)).long()
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    num_layers = len(base.layers)
-    captured = {}
-    hook = base.norm.register_forward_pre_hook(lambda _m, args: captured.__setitem__("pre_norm", args[0]))
-    try:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
-    finally:
-        hook.remove()
-    states = [captured["pre_norm"] if i == num_layers - 1 else out.hidden_states[i + 1] for i in layer_ids]
-    return torch.cat(states, dim=-1)
 
 
 def encode_prompts(tokenizer, prompts, chat_template: bool, max_prompt_len: int) -> list[list[int]]:
@@ -531,15 +515,22 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
                       "heldout_acc1": round(val_accuracy[0].item(), 4)})
         bar.write(json.dumps(curve[-1]))
 
+    store = None  # no steps left (steps=0, or resumed at the end): no features needed
+    if start < cfg.steps:
+        store = _feature_store(cfg, target, seqs, layer_ids, pad_id, text_config.hidden_size)
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="training", unit="step")
     clock = PhaseClock(device, every=cfg.eval_every)
     done = start  # steps completed
     for step in bar:
         clock.start(step)
-        batch = sample_blocks(rng.sample(seqs, min(cfg.batch_size, len(seqs))), drafter.config.block_size,
-                              cfg.anchors_per_seq, drafter.config.mask_token_id, pad_id, rng)
+        chosen = rng.sample(range(len(seqs)), min(cfg.batch_size, len(seqs)))  # the draws of rng.sample(seqs, ...)
+        batch = sample_blocks([seqs[i] for i in chosen], drafter.config.block_size, cfg.anchors_per_seq,
+                              drafter.config.mask_token_id, pad_id, rng)
         clock.lap("sample_blocks")
-        features = target_features(target, batch.input_ids.to(device), batch.seq_lens.to(device), layer_ids)
+        if store is None:
+            features = target_features(target, batch.input_ids.to(device), batch.seq_lens.to(device), layer_ids)
+        else:
+            features = store.gather(chosen, batch.input_ids.shape[1])
         clock.lap("target_features")
         with autocast:
             loss, accuracy = block_loss(drafter, batch, features, cfg.loss_decay)
@@ -577,6 +568,24 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report))
     return final
+
+
+def _feature_store(cfg: TrainConfig, target, seqs: list[Sequence], layer_ids: list[int], pad_id: int,
+                   hidden_size: int) -> FeatureStore | None:
+    """The answers' features computed once, where ``cfg.feature_store`` asks for it and they fit; else None (a
+    target forward per step)."""
+    if not cfg.feature_store:
+        return None
+    sequences = [s.ids for s in seqs]
+    device = next(target.parameters()).device
+    fits, why = store_fits(FeatureStore.nbytes(sequences, len(layer_ids) * hidden_size, target.dtype), device)
+    if not fits:
+        print(f"feature store: off ({why}); the target runs at every step")
+        return None
+    began = time.perf_counter()
+    store = FeatureStore.build(target, sequences, layer_ids, pad_id)
+    print(f"feature store: {len(sequences)} answers, {why}, built in {time.perf_counter() - began:.0f} s")
+    return store
 
 
 def _check_fits_target(drafter: DFlashDrafter, text_config, path: str) -> None:
