@@ -38,8 +38,6 @@ class DDTreeV2State:
     block_tables: object = None  # V2's BlockTables: slot_mappings [num_groups, max_tokens]
     timer: object = None  # profiling.StepTimer when VLLM_DDTREE_PROFILE is set, else a no-op
     uniform_layouts: UniformStepLayouts | None = None  # per-batch-size constants of uniform steps
-    uniform_step: bool = False  # this step's layout is a uniform one (`build_uniform_tree_step`)
-    graphs: object = None  # graphs.StepGraphs with VLLM_DDTREE_BOOKKEEPING_GRAPHS=1 on CUDA, else None
 
     @property
     def width(self) -> int:
@@ -155,12 +153,8 @@ def install_v2_runner_hooks() -> None:
         self._ddtree = DDTreeV2State(budget=settings["budget"], depth=settings["depth"])
         self._ddtree.timer = step_timer(self.device)
         self._ddtree.uniform_layouts = UniformStepLayouts(self._ddtree.width, self.device)
-        from vllm_ddtree.graphs import step_graphs
-
-        self._ddtree.graphs = step_graphs(self.device)
         if self.speculator is not None:  # None on pipeline stages before the last
             self.speculator.timer = self._ddtree.timer
-            self.speculator.graphs = self._ddtree.graphs
         logger.info(
             "DDTree on Model Runner V2: node budget %d, tree depth %d, max top-k per depth %s",
             settings["budget"], settings["depth"], settings["max_topk"],
@@ -198,7 +192,7 @@ def install_v2_runner_hooks() -> None:
     def execute_model(original, self, *args, **kwargs):
         state = self._ddtree
         if state is not None:
-            state.step, state.uniform_step = None, False  # set again by prepare_attn on real steps with drafts
+            state.step = None  # set again by prepare_attn on real steps with drafts
             state.timer.end_step()
             state.timer.mark("start")
         return original(self, *args, **kwargs)
@@ -216,25 +210,15 @@ def install_v2_runner_hooks() -> None:
             state.timer.skip_step()  # no verification: not a decode step of the profile
         else:
             speculator = self.speculator
-            state.uniform_step = bool(num_drafts.min() == num_drafts.max() > 0)
-            if state.uniform_step:  # the decode steps: nothing from the host
+            if num_drafts.min() == num_drafts.max() > 0:  # uniform: the decode steps, nothing from the host
                 num_reqs, num_nodes = input_batch.num_reqs, int(num_drafts[0]) + 1  # n < B + 1 under a schedule
-
-                def lay_out(logits_indices, slots):
-                    return build_uniform_tree_step(
-                        state.uniform_layouts, num_reqs, logits_indices, speculator.tree_parents,
-                        speculator.tree_depths,
-                        slots,  # the trees are kept by request slot
-                        positions=input_batch.positions,  # tree positions: root + depth
-                        num_nodes=num_nodes,
-                    )  # fmt: skip
-
-                inputs = dict(logits_indices=input_batch.logits_indices, slots=input_batch.idx_mapping)
-                if state.graphs is None:
-                    state.step = lay_out(**inputs)
-                else:  # VLLM_DDTREE_BOOKKEEPING_GRAPHS=1: the step's tensors are the graph's (graphs.StepGraphs)
-                    key = ("layout", num_reqs, num_nodes, input_batch.num_tokens)
-                    state.step = state.graphs.run(key, lay_out, inputs)
+                state.step = build_uniform_tree_step(
+                    state.uniform_layouts, num_reqs, input_batch.logits_indices, speculator.tree_parents,
+                    speculator.tree_depths,
+                    input_batch.idx_mapping,  # the trees are kept by request slot
+                    positions=input_batch.positions,  # tree positions: root + depth
+                    num_nodes=num_nodes,
+                )  # fmt: skip
             else:
                 state.step = build_tree_step(
                     num_drafts.tolist(),

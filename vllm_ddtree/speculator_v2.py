@@ -45,7 +45,6 @@ class DDTreeSpeculator(DFlashSpeculator):
         # (src, dst) token moves of this step's accepted paths, set by the verifier.
         self.accepted_path_moves: tuple[torch.Tensor, torch.Tensor] | None = None
         self.timer = _NO_TIMER  # the runner's profiling.StepTimer (runner_v2)
-        self.graphs = None  # the runner's graphs.StepGraphs with VLLM_DDTREE_BOOKKEEPING_GRAPHS=1
 
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
@@ -85,21 +84,14 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.timer.mark("draft")
         num_reqs, depth = input_batch.num_reqs, self.depth
         rows = num_reqs * depth
-
-        def build(slots):  # [R] request slots
-            return trees_into_slots_(
-                self.top_token_ids[:rows].view(num_reqs, depth, -1),
-                self.top_log_probs[:rows].view(num_reqs, depth, -1),
-                last_sampled.view(-1),  # [max_reqs, 1] in 0.26: the root of each request slot
-                slots,
-                self.budget,
-                self.tree_parents,
-                self.tree_depths,
-            )  # fmt: skip
-
-        if self.graphs is None:
-            token_ids = build(input_batch.idx_mapping)
-        else:  # VLLM_DDTREE_BOOKKEEPING_GRAPHS=1: every other input is a persistent buffer (graphs.StepGraphs)
-            token_ids = self.graphs.run(("tree", num_reqs), build, dict(slots=input_batch.idx_mapping))
+        token_ids = trees_into_slots_(
+            self.top_token_ids[:rows].view(num_reqs, depth, -1),
+            self.top_log_probs[:rows].view(num_reqs, depth, -1),
+            last_sampled.view(-1),  # [max_reqs, 1] in 0.26: the root of each request slot
+            input_batch.idx_mapping,  # [R] request slots
+            self.budget,
+            self.tree_parents,
+            self.tree_depths,
+        )  # fmt: skip
         self.timer.mark("tree_build")
         return token_ids[:, 1:]  # [R, B], read by V2 in this step (into its per-request draft tokens)

@@ -243,7 +243,6 @@ def test_speculator_keeps_each_requests_tree_in_its_slot_and_returns_its_nodes(m
     spec = object.__new__(DDTreeSpeculator)
     spec.model = SimpleNamespace(compute_logits=lambda h: h, combine_hidden_states=lambda h: h * 1.0)
     spec.budget, spec.depth, spec.topk, spec.timer = budget, depth, k, step_timer(torch.device("cpu"))
-    spec.graphs = None  # VLLM_DDTREE_BOOKKEEPING_GRAPHS off (CUDA only)
     spec.top_token_ids = torch.zeros(max_reqs * depth, k, dtype=torch.int64)
     spec.top_log_probs = torch.zeros(max_reqs * depth, k)
     spec.tree_parents = torch.full((max_reqs, budget + 1), -7, dtype=torch.int64)
@@ -315,36 +314,3 @@ def test_capture_attaches_trees_to_every_uniform_verification_length():
     assert uniform_verification_nodes(batch([1] * 8), width) is None  # plain decodes
     assert uniform_verification_nodes(batch([6, 6, 3]), width) is None  # mixed
     assert uniform_verification_nodes(batch([32, 32]), width) is None  # a prefill longer than any tree
-
-
-def test_verifier_walk_and_compaction_block_is_the_scorers():
-    """`TreeVerifier._walk_and_compact` (the block VLLM_DDTREE_BOOKKEEPING_GRAPHS replays from CUDA graphs on the GPU;
-    eager here) gives the scorer's walk, moves and output, and puts the positions back in chain order."""
-    from vllm_ddtree.runner_v2 import DDTreeV2State
-    from vllm_ddtree.tree import build_draft_tree
-    from vllm_ddtree.verify.scorer import node_tokens, walk_and_moves_
-    from vllm_ddtree.verify.step import build_tree_step
-    from vllm_ddtree.verify.verifier_v2 import TreeVerifier
-
-    torch.manual_seed(3)
-    budget, depth, num_reqs = 6, 3, 2
-    width = budget + 1
-    tree = build_draft_tree(torch.randn(num_reqs, depth, 10) * 3, torch.tensor([1, 2]), budget=budget)
-    input_ids = tree.token_ids.flatten()
-    step = build_tree_step([budget] * num_reqs, torch.arange(num_reqs * width), tree.parents, tree.depths,
-                           [0, 1], width)  # fmt: skip
-    choices = torch.randint(0, 10, (num_reqs * width,))
-    choices[step.node_rows[:, 0]] = tree.token_ids[:, 1]  # the first child is accepted
-    state = DDTreeV2State(budget=budget, depth=depth)  # no layers: the compaction moves nothing here
-    state.block_tables = SimpleNamespace(slot_mappings=torch.zeros((1, num_reqs * width), dtype=torch.int64))
-    verifier = TreeVerifier(None, state, None)
-    positions = torch.arange(num_reqs * width) + 50
-    batch = SimpleNamespace(input_ids=input_ids, positions=positions, num_tokens=num_reqs * width)
-    walk, moves, output = verifier._walk_and_compact(step, choices, batch)
-    want_positions = torch.arange(num_reqs * width) + 50
-    want_walk, want_moves, want_output = walk_and_moves_(step, choices, node_tokens(step, input_ids), depth,
-                                                         want_positions)  # fmt: skip
-    assert torch.equal(walk.num_accepted, want_walk.num_accepted) and (walk.num_accepted >= 1).all()
-    assert torch.equal(walk.path_nodes, want_walk.path_nodes) and torch.equal(output, want_output)
-    assert all(torch.equal(a, b) for a, b in zip(moves, want_moves))
-    assert torch.equal(positions, want_positions)

@@ -12,8 +12,6 @@ V2's own rule for chunked prefills, and logprobs rows in V2's `cu_num_logits` la
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from vllm_ddtree.kv.compact import compact_accepted_kv_
@@ -50,8 +48,15 @@ class TreeVerifier:
             sampler.sampling_states.seeds.gpu, pos, use_fp64=sampler.use_fp64_gumbel,
         )  # fmt: skip
         state.timer.mark("target_choices")
-        walk, moves, output = self._walk_and_compact(step, choices, input_batch)
-        state.timer.mark("walk_and_kv_compaction")
+        tokens = node_tokens(step, input_batch.input_ids)  # [R, N]
+        walk, moves, output = walk_and_moves_(step, choices, tokens, state.depth, input_batch.positions)
+        state.timer.mark("walk")
+        num_reqs = step.parents.shape[0]
+        compact_accepted_kv_(
+            state.layer_groups, *moves, state.slot_mappings(input_batch.num_tokens), num_reqs=num_reqs,
+            tables=state.kv_tables,
+        )  # fmt: skip
+        state.timer.mark("kv_compaction")
         self.speculator.accepted_path_moves = moves
         num_sampled = (walk.num_accepted + 1).to(torch.int32)
         num_sampled, num_rejected = v2.get_num_sampled_and_rejected(
@@ -64,31 +69,6 @@ class TreeVerifier:
             sampled_token_ids=output, logprobs_tensors=logprobs, num_nans=num_nans, num_sampled=num_sampled,
             num_rejected=num_rejected,
         )  # fmt: skip
-
-    def _walk_and_compact(self, step, choices: torch.Tensor, input_batch):
-        """The walk along the target's choices, the accepted path's moves (tokens and positions), and its KV moved
-        behind the root in every layer. With VLLM_DDTREE_BOOKKEEPING_GRAPHS=1 a uniform step replays them from a
-        CUDA graph per shape (`graphs.StepGraphs`): the step's layout tensors and the choices are its inputs; input
-        ids, positions, slot mappings and the KV caches are V2's persistent buffers; the node counts and logits rows
-        are `UniformStepLayouts`' constants of the shape."""
-        state = self.state
-
-        def walk_and_compact(choices, parents, node_token_index):
-            at = dataclasses.replace(step, parents=parents, node_token_index=node_token_index)
-            tokens = node_tokens(at, input_batch.input_ids)  # [R, N]
-            walk, moves, output = walk_and_moves_(at, choices, tokens, state.depth, input_batch.positions)
-            compact_accepted_kv_(
-                state.layer_groups, *moves, state.slot_mappings(input_batch.num_tokens), num_reqs=at.parents.shape[0],
-                tables=state.kv_tables,
-            )  # fmt: skip
-            return walk, moves, output
-
-        inputs = dict(choices=choices, parents=step.parents, node_token_index=step.node_token_index)
-        if state.graphs is None or not state.uniform_step:
-            return walk_and_compact(**inputs)
-        key = ("walk", step.parents.shape, int(step.num_nodes_cpu[0]), input_batch.num_tokens, choices.dtype)
-        walk, moves, output = state.graphs.run(key, walk_and_compact, inputs)
-        return walk, moves, output.clone()  # V2 copies the output to the host after this step: not the graph's
 
     def _logprobs(self, v2, logits, processed, input_batch, step, walk, output):
         """V2's logprobs for the output tokens: request r's j-th output token (the target's choice at path node
