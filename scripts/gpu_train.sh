@@ -10,6 +10,9 @@
 # (half the ~4.4 min of generation; session 17). Training stops 120 s before TRAIN_S (--time-limit-s) and saves the
 # drafter, a held-out point and the report as at its last step, so a call cut short still brings a drafter back.
 # SAVE_RESPONSES=1 brings the generated answers back; carried later as .gpu/answers they skip the generation.
+# LR sets the peak learning rate (default 1e-3). From INIT_FROM, 1e-3 undid the shipped drafter's training: its
+# held-out loss went from 3.18 to 3.71 in 250 steps (session 19, call 10); a fine-tuning rate such as 2e-4 keeps it.
+# The target's features are computed once per answer before training (FeatureStore, ~38 GiB for 27k answers).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -25,7 +28,7 @@ resume=""; [ -d /tmp/smollm2-dflash/checkpoints ] && resume="--resume"
 timeout "${TRAIN_S:-540}" python scripts/train_drafter.py --target /tmp/smollm2 --out /tmp/smollm2-dflash \
   --block-size 16 --num-layers "${NUM_LAYERS:-2}" --num-prompts "${PROMPTS:-16000}" --generator "${GENERATOR:-vllm}" \
   --responses-per-prompt "${RESPONSES:-2}" --greedy-first --temperature 0.7 \
-  --gen-batch-size 256 --steps "${STEPS:-4000}" --weight-decay 0.01 --eval-every 250 \
+  --gen-batch-size 256 --steps "${STEPS:-4000}" --lr "${LR:-1e-3}" --weight-decay 0.01 --eval-every 250 \
   --batch-size 32 --loss-decay 7 --save-every 250 --time-limit-s "$(( ${TRAIN_S:-540} - 120 ))" $resume ${INIT_FROM:+--init-from "$INIT_FROM"} 2>&1 | tr '\r' '\n' | grep -v "^\s*$" | awk 'NR % 20 == 1 || /Error|error|warning|report|acceptance|heldout|generated|time limit|feature store|{/' \
   > "$OUT/train.log"
 echo "train rc=${PIPESTATUS[0]}"; tail -5 "$OUT/train.log"

@@ -295,10 +295,12 @@ def test_training_starts_from_a_saved_drafter(tmp_path, one_cpu_thread):
     assert all(torch.equal(grown_weights[name], weights[name]) for name in weights)  # the first layer kept
     assert not grown_weights["layers.1.self_attn.o_proj.weight"].any()  # the added one starts as the identity
 
-    trained = train(TrainConfig(**cfg, out=str(tmp_path / "trained"), steps=2, init_from=str(first)),
-                    prompt_ids=prompts)
+    trained = train(TrainConfig(**dict(cfg, eval_every=1), out=str(tmp_path / "trained"), steps=2,
+                                init_from=str(first)), prompt_ids=prompts, eval_prompt_ids=[[7, 8, 9]])
     trained_weights = load_file(str(trained / "model.safetensors"))
     assert any(not torch.equal(trained_weights[name], weights[name]) for name in weights)
+    curve = json.loads((tmp_path / "trained" / "report.json").read_text())["heldout_curve"]
+    assert [(p["step"], p["train_loss"] is None) for p in curve] == [(0, True), (1, False), (2, False)]  # starts at 0
 
     other = make_tiny_target(tmp_path / "other", num_layers=1)
     with pytest.raises(ValueError, match="does not fit this target"):
