@@ -10,8 +10,9 @@
 # (half the ~4.4 min of generation; session 17). Training stops 120 s before TRAIN_S (--time-limit-s) and saves the
 # drafter, a held-out point and the report as at its last step, so a call cut short still brings a drafter back.
 # SAVE_RESPONSES=1 brings the generated answers back; carried later as .gpu/answers they skip the generation.
-# LR sets the peak learning rate (default 1e-3). From INIT_FROM, 1e-3 undid the shipped drafter's training: its
-# held-out loss went from 3.18 to 3.71 in 250 steps (session 19, call 10); a fine-tuning rate such as 2e-4 keeps it.
+# LR sets the peak learning rate (default 1e-3). From INIT_FROM, 1e-3 set the shipped drafter back: it ended its own
+# training at a held-out loss of 3.18, and the run from it was at 3.71 after 250 steps (session 19, call 10; the
+# held-out point at step 0 now shows where such a run starts). A fine-tuning rate such as 2e-4 is the next try.
 # The target's features are computed once per answer before training (FeatureStore, ~38 GiB for 27k answers).
 set -uo pipefail
 cd "$(dirname "$0")/.."
