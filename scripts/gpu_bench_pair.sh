@@ -6,6 +6,7 @@
 # /tmp/pair-bench: a run under other settings, e.g. VLLM_DDTREE_BACKEND_ROWS=1, takes a folder of its own).
 # benchmark.py writes its results after every method straight into $OUT/pair (a call cut by its time limit still
 # brings back what it measured: session 13 lost a whole call's rows to a copy that came after the limit).
+# EAGER=1: no CUDA graphs or torch.compile (engines start in seconds): for acceptance lengths, not for speed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -17,6 +18,7 @@ mkdir -p "$pair" "$OUT/pair" && cp "$pair"/* "$OUT/pair/" 2>/dev/null
 timeout "${BENCH_S:-540}" python scripts/benchmark.py --target /tmp/smollm2 --drafter "$drafter" \
   --budgets 8 16 32 64 128 --batch-sizes ${BATCHES:-1 4 16 64} --temperatures 0 1 --max-tokens 256 --stop-at-eos \
   --min-prompts 16 --out "$OUT/pair" --resume ${SCHEDULES:+--schedules $SCHEDULES} ${METHODS:+--methods $METHODS} \
+  ${EAGER:+--eager} \
   > "$OUT/bench_pair.log" 2>&1
 echo "bench rc=$?"
 cp "$OUT"/pair/* "$pair"/ 2>/dev/null
