@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
+import re
 import time
 from pathlib import Path
 
@@ -148,6 +150,33 @@ def fastest_by_batch(rows: list[dict]) -> str:
 
         lines.append(f"| {temperature} | {batch} | {max(same, key=same.get)} | {best_tree} | {versus('dflash')} | "
                      f"{versus('none')} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def suggested_schedules(rows: list[dict]) -> str:
+    """Markdown: per temperature, the tree size per batch size that the fixed-budget rows (`ddtree-B<n>`) measured
+    fastest, as vLLM's `num_speculative_tokens_per_batch_size` and in `--schedules` form (to benchmark it next).
+    A measured batch size stands for the sizes up to the geometric midpoint to the next one; past the largest,
+    vLLM carries the last range's budget."""
+    fixed = re.compile(r"ddtree-B(\d+)$")
+    lines = ["| temperature | --schedules | num_speculative_tokens_per_batch_size |", "| --- | --- | --- |"]
+    for temperature in sorted({r["temperature"] for r in rows}):
+        speed = {(r["batch"], int(m.group(1))): r["output_tokens_per_s"]
+                 for r in rows if r["temperature"] == temperature and (m := fixed.match(r["method"]))}
+        batches = sorted({b for b, _ in speed})
+        if not batches:
+            continue
+        schedule: list[list[int]] = []
+        for i, batch in enumerate(batches):
+            best = max((n for b, n in speed if b == batch), key=lambda n: speed[batch, n])
+            first = schedule[-1][1] + 1 if schedule else 1
+            last = math.isqrt(batch * batches[i + 1]) if i + 1 < len(batches) else batch
+            if schedule and schedule[-1][2] == best:
+                schedule[-1][1] = last  # the same budget as the range before: one range
+            else:
+                schedule.append([first, last, best])
+        text = ",".join(f"{first}-{last}:{n}" for first, last, n in schedule)
+        lines.append(f"| {temperature} | `{text}` | `{json.dumps(schedule)}` |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -381,6 +410,9 @@ def write_results(out: Path, args, rows: list[dict], greedy_tokens: dict | None 
     table = markdown_table(rows) + "\n"
     fastest = fastest_by_batch(rows)
     table += f"\nFastest per temperature and batch:\n\n{fastest}\n" if fastest else ""
+    schedules = suggested_schedules(rows)
+    if schedules:
+        table += f"\nDDTree budget per batch size, fastest measured (fixed budgets only):\n\n{schedules}\n"
     if greedy_tokens:
         (out / GREEDY_TOKENS).write_text(json.dumps(greedy_tokens))
         agreement = greedy_agreement(rows, greedy_tokens)

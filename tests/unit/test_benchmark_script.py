@@ -96,3 +96,24 @@ def test_fastest_by_batch_names_the_best_budget_against_chain_and_none():
         "| 0.0 | 16 | none | ddtree-B16 | 1.06x | 0.95x |",  # the smaller budget wins at the larger batch
     ]
     assert bench.fastest_by_batch([r for r in rows if not r["method"].startswith("ddtree")]) == ""
+
+
+def test_suggested_schedule_takes_the_fastest_fixed_budget_per_batch_range():
+    """Per temperature, the fastest `ddtree-B<n>` at each measured batch size becomes a budget range (up to the
+    geometric midpoint to the next measured size; equal neighbours merge), written as vLLM's schedule and in the
+    `--schedules` form; schedule rows and non-DDTree rows do not count."""
+    bench = load_benchmark()
+    speed = {(0.0, 1, "ddtree-B64"): 700, (0.0, 1, "ddtree-B16"): 580, (0.0, 1, "dflash"): 900,
+             (0.0, 4, "ddtree-B64"): 1700, (0.0, 4, "ddtree-B16"): 1600,
+             (0.0, 16, "ddtree-B64"): 6000, (0.0, 16, "ddtree-B16"): 6100, (0.0, 16, "ddtree-1-64:8"): 9999,
+             (0.0, 64, "ddtree-B64"): 13000, (0.0, 64, "ddtree-B16"): 19000,
+             (1.0, 1, "ddtree-B64"): 400, (1.0, 1, "ddtree-B16"): 470, (1.0, 16, "ddtree-B16"): 2500}
+    rows = [{"method": m, "temperature": t, "batch": b, "output_tokens_per_s": v} for (t, b, m), v in speed.items()]
+    lines = bench.suggested_schedules(rows).splitlines()
+    assert lines[2:] == [
+        "| 0.0 | `1-8:64,9-64:16` | `[[1, 8, 64], [9, 64, 16]]` |",  # 1 and 4 merge; 4 covers up to isqrt(64)
+        "| 1.0 | `1-16:16` | `[[1, 16, 16]]` |",
+    ]
+    schedule = bench.parse_schedule("1-8:64,9-64:16")  # the --schedules form reads back as the same schedule
+    assert schedule == [[1, 8, 64], [9, 64, 16]]
+    assert bench.suggested_schedules([r for r in rows if r["method"] == "dflash"]) == ""
