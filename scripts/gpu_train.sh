@@ -14,7 +14,8 @@
 # training at a held-out loss of 3.18, and the run from it was at 3.71 after 250 steps (session 19, call 10; the
 # held-out point at step 0 now shows where such a run starts). A fine-tuning rate such as 2e-4 is the next try.
 # The target's features are computed once per answer before training (FeatureStore, ~38 GiB for 27k answers);
-# NO_FEATURE_STORE=1 runs the target at every step instead.
+# NO_FEATURE_STORE=1 runs the target at every step instead. SOFT_LABELS=K adds the target's top-K next tokens as soft
+# labels (half the loss; not yet run on a GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -31,7 +32,7 @@ timeout "${TRAIN_S:-540}" python scripts/train_drafter.py --target /tmp/smollm2 
   --block-size 16 --num-layers "${NUM_LAYERS:-2}" --num-prompts "${PROMPTS:-16000}" --generator "${GENERATOR:-vllm}" \
   --responses-per-prompt "${RESPONSES:-2}" --greedy-first --temperature 0.7 \
   --gen-batch-size 256 --steps "${STEPS:-4000}" --lr "${LR:-1e-3}" --weight-decay 0.01 --eval-every 250 \
-  --batch-size 32 --loss-decay 7 --save-every 250 --time-limit-s "$(( ${TRAIN_S:-540} - 120 ))" $resume ${NO_FEATURE_STORE:+--no-feature-store} ${INIT_FROM:+--init-from "$INIT_FROM"} 2>&1 | tr '\r' '\n' | grep -v "^\s*$" | awk 'NR % 20 == 1 || /Error|error|warning|report|acceptance|heldout|generated|time limit|feature store|{/' \
+  --batch-size 32 --loss-decay 7 --save-every 250 --time-limit-s "$(( ${TRAIN_S:-540} - 120 ))" $resume ${NO_FEATURE_STORE:+--no-feature-store} ${SOFT_LABELS:+--soft-labels $SOFT_LABELS} ${INIT_FROM:+--init-from "$INIT_FROM"} 2>&1 | tr '\r' '\n' | grep -v "^\s*$" | awk 'NR % 20 == 1 || /Error|error|warning|report|acceptance|heldout|generated|time limit|feature store|{/' \
   > "$OUT/train.log"
 echo "train rc=${PIPESTATUS[0]}"; tail -5 "$OUT/train.log"
 if [ -f /tmp/smollm2-dflash/report.json ]; then

@@ -65,6 +65,10 @@ def parse_args(argv=None) -> TrainConfig:
                         "report as at the last step")
     p.add_argument("--init-from", default=None,
                    help="a saved drafter folder to start from (its architecture is kept; a new schedule and optimizer)")
+    p.add_argument("--soft-labels", type=int, default=defaults["soft_labels"],
+                   help="also train against the target's K most probable next tokens per position (0: hard labels only)")
+    p.add_argument("--soft-weight", type=float, default=defaults["soft_weight"],
+                   help="weight of the soft-label cross-entropy (the hard label's is 1 - W)")
     p.add_argument("--no-feature-store", dest="feature_store", action="store_false",
                    help="run the target at every step instead of once per answer before training (FeatureStore)")
     args = vars(p.parse_args(argv))

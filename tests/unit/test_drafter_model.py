@@ -375,21 +375,22 @@ def test_a_time_limit_ends_training_early_with_a_drafter_and_a_report(tmp_path, 
     assert DFlashDrafter.load(drafter, torch.device("cpu")).config.block_size == 4
 
 
-def test_feature_store_rows_are_the_per_batch_features(tmp_path, one_cpu_thread):
+def test_feature_store_rows_are_the_per_batch_outputs(tmp_path, one_cpu_thread):
     """`FeatureStore`: built once over sequences of different lengths (batched longest first, a token budget that
-    splits them over several forwards), a gathered batch equals `target_features` of that padded batch at every
-    position a block can read (the oracle: the per-step path training used before)."""
+    splits them over several forwards), a gathered batch equals `target_outputs` of that padded batch (features
+    and the target's top-k next tokens) at every position a block can read (the oracle: the per-step path)."""
     from tests.tiny_models import make_tiny_target
-    from vllm_ddtree.drafter.features import FeatureStore, target_features
+    from vllm_ddtree.drafter.features import FeatureStore, target_outputs
     from vllm_ddtree.drafter.train import load_target
 
     model, _ = load_target(str(make_tiny_target(tmp_path / "target", num_layers=3)), torch.device("cpu"), "float32")
     rng = random.Random(0)
     sequences = [[rng.randrange(3, 60) for _ in range(rng.randrange(2, 30))] for _ in range(9)]
     layer_ids = [0, 2]
-    store = FeatureStore.build(model, sequences, layer_ids, pad_id=0, tokens_per_batch=60)
-    assert store.rows.shape == (sum(map(len, sequences)), 2 * 64)
-    assert FeatureStore.nbytes(sequences, 2 * 64, torch.float32) == store.rows.numel() * 4
+    store = FeatureStore.build(model, sequences, layer_ids, pad_id=0, top_k=3, tokens_per_batch=60)
+    total = sum(map(len, sequences))
+    assert store.rows.features.shape == (total, 2 * 64) and store.rows.top_ids.shape == (total, 3)
+    assert FeatureStore.nbytes(sequences, 2 * 64, torch.float32, top_k=3) == total * (2 * 64 * 4 + 3 * 8)
 
     chosen = [7, 2, 4]
     T = max(len(sequences[i]) for i in chosen)
@@ -397,24 +398,74 @@ def test_feature_store_rows_are_the_per_batch_features(tmp_path, one_cpu_thread)
     for b, i in enumerate(chosen):
         input_ids[b, : len(sequences[i])] = torch.tensor(sequences[i])
     seq_lens = torch.tensor([len(sequences[i]) for i in chosen])
-    expected = target_features(model, input_ids, seq_lens, layer_ids)  # [3, T, 128]
+    expected = target_outputs(model, input_ids, seq_lens, layer_ids, top_k=3)  # [3, T, ...]
     gathered = store.gather(chosen, T)
-    assert gathered.shape == expected.shape
+    assert gathered.features.shape == expected.features.shape and gathered.top_ids.shape == (3, T, 3)
     for b in range(3):
         n = int(seq_lens[b])
-        torch.testing.assert_close(gathered[b, :n], expected[b, :n], rtol=1e-4, atol=1e-5)
-        assert torch.equal(gathered[b, n:], gathered[b, n - 1 : n].expand(T - n, -1))  # padding repeats the last
+        torch.testing.assert_close(gathered.features[b, :n], expected.features[b, :n], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(gathered.top_probs[b, :n], expected.top_probs[b, :n], rtol=1e-4, atol=1e-6)
+        assert torch.equal(gathered.top_ids[b, :n], expected.top_ids[b, :n])
+        last = gathered.features[b, n - 1 : n]
+        assert torch.equal(gathered.features[b, n:], last.expand(T - n, -1))  # padding repeats the last row
+    assert FeatureStore.build(model, sequences[:2], layer_ids, pad_id=0).rows.top_ids is None  # top_k 0: none kept
+
+
+def test_the_teacher_of_each_label_is_the_targets_prediction_before_it(tmp_path, one_cpu_thread):
+    """`teacher_at_labels` aligns the target's top-k with the labels: on answers the target itself generated
+    greedily (transformers, the same float32 model), the teacher's first token is the label at every offset."""
+    from tests.tiny_models import make_tiny_target
+    from vllm_ddtree.drafter.features import target_outputs
+    from vllm_ddtree.drafter.train import generate_responses, load_target, teacher_at_labels
+
+    model, _ = load_target(str(make_tiny_target(tmp_path / "target")), torch.device("cpu"), "float32")
+    prompts = [[5, 40, 90], [6, 41, 91, 17]]
+    answers = generate_responses(model, prompts, 20, 0.0, 8, [], 0)  # no EOS: 20 tokens each
+    seqs = [Sequence(p, a) for p, a in zip(prompts, answers)]
+    batch = sample_blocks(seqs, 4, 5, MASK, 0, random.Random(3))
+    teacher = target_outputs(model, batch.input_ids, batch.seq_lens, [0], top_k=2)
+    ids, probs = teacher_at_labels(teacher, batch.anchors, 4)  # [B, A, 3, 2]
+    valid = batch.labels != IGNORE
+    assert valid.sum() > 10
+    assert torch.equal(ids[..., 0][valid].long(), batch.labels[valid])
+    assert (probs[..., 0] >= probs[..., 1]).all()
+
+
+def test_soft_labels_on_the_label_alone_give_the_hard_loss_and_others_move_it():
+    """`block_loss` with a teacher: a teacher whose whole mass is on the label gives the hard cross-entropy at any
+    weight; a teacher elsewhere changes the loss, by the weight given to it."""
+    from vllm_ddtree.drafter.features import TargetOutputs
+
+    torch.manual_seed(0)
+    drafter = tiny_drafter()
+    seqs = [Sequence([3, 4, 5], [6 + i % 30 for i in range(12)]), Sequence([7, 8], [9 + i % 20 for i in range(9)])]
+    batch = sample_blocks(seqs, 4, 3, MASK, 0, random.Random(1))
+    B, T = batch.input_ids.shape
+    features = torch.randn(B, T, 2 * H)
+    hard, _ = block_loss(drafter, batch, features, None)
+    next_tokens = torch.roll(batch.input_ids, -1, dims=1)  # the token after each position: the label it predicts
+    ids = torch.stack([next_tokens, (next_tokens + 1) % V], dim=-1).to(torch.int32)  # [B, T, 2]
+    on_label = TargetOutputs(features, ids, torch.tensor([1.0, 0.0]).expand(B, T, 2))
+    for weight in (0.3, 1.0):
+        soft, _ = block_loss(drafter, batch, features, None, on_label, weight)
+        torch.testing.assert_close(soft, hard)
+    elsewhere = TargetOutputs(features, ids, torch.tensor([0.0, 1.0]).expand(B, T, 2))
+    half, _ = block_loss(drafter, batch, features, None, elsewhere, 0.5)
+    whole, _ = block_loss(drafter, batch, features, None, elsewhere, 1.0)
+    torch.testing.assert_close(half, (hard + whole) / 2)
+    assert not torch.isclose(whole, hard)
 
 
 def test_training_with_the_feature_store_follows_the_per_step_features(tmp_path, one_cpu_thread, capsys):
-    """The same run with and without the store: the same batches (same random draws), so the same losses up to
-    float rounding, and the log says the store was built."""
+    """The same run with and without the store, with soft labels: the same batches (same random draws), so the
+    same losses up to float rounding, and the log says the store was built; a bad soft-label setting is refused
+    with the values named."""
     from tests.tiny_models import make_tiny_target
     from vllm_ddtree.drafter.train import TrainConfig, train
 
     target = make_tiny_target(tmp_path / "target")
     cfg = dict(target=str(target), block_size=4, num_layers=1, max_new_tokens=10, steps=3, batch_size=2,
-               anchors_per_seq=2, warmup_steps=1, eval_every=1, device="cpu")
+               anchors_per_seq=2, warmup_steps=1, eval_every=1, device="cpu", soft_labels=3)
     prompts = [[5, 40, 90], [6, 41, 91], [7, 42, 92]]
     curves = {}
     for store in (True, False):
@@ -425,3 +476,5 @@ def test_training_with_the_feature_store_follows_the_per_step_features(tmp_path,
     for with_store, without in zip(curves[True], curves[False]):
         assert with_store["train_loss"] == pytest.approx(without["train_loss"], abs=1e-3)
         assert with_store["heldout_loss"] == pytest.approx(without["heldout_loss"], abs=1e-3)
+    with pytest.raises(ValueError, match="soft_weight=1.5"):
+        train(TrainConfig(**dict(cfg, soft_weight=1.5), out=str(tmp_path / "bad")), prompt_ids=prompts)

@@ -8,6 +8,8 @@ first step; a step then gathers its batch's rows.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 # Memory a training step needs beside the store: fp32 logits of 32 x 32 blocks of 16 over a 49k vocabulary are
@@ -15,9 +17,20 @@ import torch
 TRAINING_HEADROOM_BYTES = 24 << 30
 
 
+@dataclass
+class TargetOutputs:
+    """What the target gives a batch of training sequences."""
+
+    features: torch.Tensor  # [B, T, F] residual stream after the drafter's target layers, concatenated
+    top_ids: torch.Tensor | None = None  # [B, T, k] the target's k most probable next tokens at each position
+    top_probs: torch.Tensor | None = None  # [B, T, k] their probabilities (the soft labels' teacher)
+
+
 @torch.no_grad()
-def target_features(model, input_ids: torch.Tensor, seq_lens: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
-    """Target residual stream after each layer in ``layer_ids``, concatenated: [B, T, len(layer_ids) * H].
+def target_outputs(model, input_ids: torch.Tensor, seq_lens: torch.Tensor, layer_ids: list[int],
+                   top_k: int = 0) -> TargetOutputs:
+    """Target residual stream after each layer in ``layer_ids``, concatenated, and with ``top_k`` > 0 the target's
+    ``top_k`` most probable next tokens at every position.
 
     HF's ``hidden_states[i + 1]`` is the output of decoder layer i, except for the last layer, where HF returns
     the final-normed state; vLLM takes the un-normed one, so that one is caught at the final norm's input.
@@ -33,23 +46,33 @@ def target_features(model, input_ids: torch.Tensor, seq_lens: torch.Tensor, laye
     finally:
         hook.remove()
     states = [captured["pre_norm"] if i == num_layers - 1 else out.hidden_states[i + 1] for i in layer_ids]
-    return torch.cat(states, dim=-1)
+    outputs = TargetOutputs(torch.cat(states, dim=-1))
+    if top_k > 0:
+        probs, ids = out.logits.float().softmax(-1).topk(top_k, dim=-1)  # [B, T, k]
+        outputs.top_ids, outputs.top_probs = ids.to(torch.int32), probs
+    return outputs
+
+
+def target_features(model, input_ids: torch.Tensor, seq_lens: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+    """[B, T, len(layer_ids) * H]: ``target_outputs``' features."""
+    return target_outputs(model, input_ids, seq_lens, layer_ids).features
 
 
 class FeatureStore:
-    """``target_features`` of a fixed list of token sequences, computed once: rows of all sequences back to back."""
+    """``target_outputs`` of a fixed list of token sequences, computed once: rows of all sequences back to back."""
 
-    def __init__(self, rows: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor):
-        self.rows = rows  # [total tokens, F]
+    def __init__(self, rows: TargetOutputs, starts: torch.Tensor, lengths: torch.Tensor):
+        self.rows = rows  # each field [total tokens, ...]
         self.starts = starts  # [num sequences] first row of each sequence
         self.lengths = lengths  # [num sequences]
 
     @staticmethod
-    def nbytes(sequences: list[list[int]], num_features: int, dtype: torch.dtype) -> int:
-        return sum(len(ids) for ids in sequences) * num_features * dtype.itemsize
+    def nbytes(sequences: list[list[int]], num_features: int, dtype: torch.dtype, top_k: int = 0) -> int:
+        per_token = num_features * dtype.itemsize + top_k * (4 + 4)  # features, top-k ids (int32) and probs (fp32)
+        return sum(len(ids) for ids in sequences) * per_token
 
     @classmethod
-    def build(cls, model, sequences: list[list[int]], layer_ids: list[int], pad_id: int,
+    def build(cls, model, sequences: list[list[int]], layer_ids: list[int], pad_id: int, top_k: int = 0,
               tokens_per_batch: int = 16384) -> FeatureStore:
         """Run the target over ``sequences`` (longest first, ``tokens_per_batch`` padded tokens per forward)."""
         from tqdm.auto import tqdm
@@ -72,22 +95,30 @@ class FeatureStore:
             for b, i in enumerate(batch):
                 input_ids[b, : len(sequences[i])] = torch.tensor(sequences[i])
             seq_lens = lengths[batch]
-            features = target_features(model, input_ids.to(device), seq_lens.to(device), layer_ids)  # [b, T, F]
+            outputs = target_outputs(model, input_ids.to(device), seq_lens.to(device), layer_ids, top_k)  # [b, T, ...]
             if rows is None:
-                rows = torch.empty((int(lengths.sum()), features.shape[-1]), dtype=features.dtype, device=device)
-            valid = torch.arange(T) < seq_lens[:, None]  # [b, T]
-            index = (starts[batch][:, None] + torch.arange(T))[valid]  # rows of the valid positions
-            rows[index.to(device)] = features[valid.to(device)]
+                rows = TargetOutputs(*(None if t is None else t.new_empty((int(lengths.sum()), t.shape[-1]))
+                                       for t in _fields(outputs)))  # fmt: skip
+            valid = (torch.arange(T) < seq_lens[:, None]).to(device)  # [b, T]
+            index = (starts[batch][:, None] + torch.arange(T)).to(device)[valid]  # rows of the valid positions
+            for store, value in zip(_fields(rows), _fields(outputs)):
+                if store is not None:
+                    store[index] = value[valid]
         return cls(rows, starts.to(device), lengths.to(device))
 
-    def gather(self, indices: list[int], T: int) -> torch.Tensor:
-        """Features of sequences ``indices`` right-padded to ``T`` positions: [len(indices), T, F], as
-        ``target_features`` of the padded batch returns them (padded positions repeat the last row; no step reads
-        them: a block's context ends before its anchor)."""
-        index = torch.tensor(indices, device=self.rows.device)
-        positions = torch.arange(T, device=self.rows.device)
+    def gather(self, indices: list[int], T: int) -> TargetOutputs:
+        """Outputs of sequences ``indices`` right-padded to ``T`` positions ([len(indices), T, ...]), as
+        ``target_outputs`` of the padded batch returns them (padded positions repeat the last row; no step reads
+        them: a block's context ends before its anchor, and its labels before the sequence's end)."""
+        device = self.starts.device
+        index = torch.tensor(indices, device=device)
         last = self.lengths[index, None] - 1  # [B, 1]
-        return self.rows[self.starts[index, None] + torch.minimum(positions, last)]
+        rows = self.starts[index, None] + torch.minimum(torch.arange(T, device=device), last)  # [B, T]
+        return TargetOutputs(*(None if t is None else t[rows] for t in _fields(self.rows)))
+
+
+def _fields(outputs: TargetOutputs) -> tuple:
+    return outputs.features, outputs.top_ids, outputs.top_probs
 
 
 def store_fits(nbytes: int, device: torch.device) -> tuple[bool, str]:

@@ -24,9 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from vllm_ddtree.drafter.features import FeatureStore, store_fits, target_features
+from vllm_ddtree.drafter.features import FeatureStore, TargetOutputs, store_fits, target_features, target_outputs
 from vllm_ddtree.drafter.model import DFlashDrafter, DrafterConfig
 
 IGNORE = -100
@@ -76,6 +75,10 @@ class TrainConfig:
     # Run the target over every answer once before the first step and keep the features on the device
     # (``FeatureStore``) where they fit, instead of a target forward per step.
     feature_store: bool = True
+    # Soft labels: the target's `soft_labels` most probable next tokens at each label's position (renormalised) are
+    # a second cross-entropy term of weight `soft_weight` (the hard label's weight is 1 - soft_weight). 0: hard only.
+    soft_labels: int = 0
+    soft_weight: float = 0.5
 
 
 @dataclass
@@ -298,20 +301,39 @@ def position_weights(block_size: int, gamma: float | None) -> torch.Tensor:
     return torch.ones_like(k) if gamma is None else torch.exp(-(k - 1) / gamma)
 
 
-def block_loss(drafter: DFlashDrafter, batch: Batch, features: torch.Tensor, gamma: float | None):
-    """Weighted cross-entropy at offsets 1..S-1; returns (loss, top-1 accuracy per offset [S - 1])."""
+def block_loss(drafter: DFlashDrafter, batch: Batch, features: torch.Tensor, gamma: float | None,
+               teacher: TargetOutputs | None = None, soft_weight: float = 0.0):
+    """Weighted cross-entropy at offsets 1..S-1 against the labels, mixed with one against the teacher's top-k
+    (``teacher``: the target's outputs for the batch's padded sequences) at weight ``soft_weight``; returns
+    (loss, top-1 accuracy per offset [S - 1])."""
     device = features.device
     hidden = drafter(batch.block_ids.to(device), batch.anchors.to(device), features, batch.seq_lens.to(device))
     logits = drafter.logits(hidden[:, :, 1:]).float()  # [B, A, S - 1, V]
     labels = batch.labels.to(device)
     valid = labels != IGNORE
     weights = position_weights(drafter.config.block_size, gamma).to(device) * valid  # [B, A, S - 1]
-    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten().clamp(min=0), reduction="none").view_as(weights)
+    log_z = logits.logsumexp(-1)  # [B, A, S - 1]
+    ce = log_z - logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    if teacher is not None and soft_weight > 0:
+        ids, probs = teacher_at_labels(teacher, batch.anchors.to(device), drafter.config.block_size)  # [B, A, S-1, k]
+        q = probs / probs.sum(-1, keepdim=True).clamp(min=1e-9)
+        soft_ce = log_z - (q * logits.gather(-1, ids.long())).sum(-1)
+        ce = (1 - soft_weight) * ce + soft_weight * soft_ce
     loss = (ce * weights).sum() / weights.sum().clamp(min=1e-6)
     with torch.no_grad():
         correct = (logits.argmax(-1) == labels) & valid
         accuracy = correct.sum((0, 1)).float() / valid.sum((0, 1)).clamp(min=1)
     return loss, accuracy
+
+
+def teacher_at_labels(teacher: TargetOutputs, anchors: torch.Tensor, block_size: int):
+    """The target's top-k (ids, probs) for the token at each block offset k = 1..S-1: its prediction at position
+    anchor + k - 1. [B, A, S - 1, k] each, from the batch's [B, T, k]."""
+    B, A = anchors.shape
+    T, k = teacher.top_ids.shape[1:]
+    positions = (anchors[:, :, None] + torch.arange(block_size - 1, device=anchors.device)).clamp(max=T - 1)
+    index = positions.flatten(1).unsqueeze(-1).expand(-1, -1, k)  # [B, A * (S - 1), k]
+    return tuple(t.gather(1, index).view(B, A, block_size - 1, k) for t in (teacher.top_ids, teacher.top_probs))
 
 
 @torch.no_grad()
@@ -445,6 +467,9 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
     from vllm_ddtree.drafter import data
 
     began = time.monotonic()
+    if cfg.soft_labels < 0 or not 0 <= cfg.soft_weight <= 1:
+        raise ValueError(f"soft_labels={cfg.soft_labels}, soft_weight={cfg.soft_weight}: soft_labels is a number of "
+                         "top tokens (>= 0; 0 = hard labels only) and soft_weight a weight in [0, 1]")
     if cfg.responses_per_prompt < 1 or (cfg.responses_per_prompt > 1 and cfg.temperature <= 0):
         raise ValueError(
             f"responses_per_prompt={cfg.responses_per_prompt} needs to be 1, or > 1 with temperature > 0 "
@@ -530,12 +555,14 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
                               drafter.config.mask_token_id, pad_id, rng)
         clock.lap("sample_blocks")
         if store is None:
-            features = target_features(target, batch.input_ids.to(device), batch.seq_lens.to(device), layer_ids)
+            outputs = target_outputs(target, batch.input_ids.to(device), batch.seq_lens.to(device), layer_ids,
+                                     cfg.soft_labels)  # fmt: skip
         else:
-            features = store.gather(chosen, batch.input_ids.shape[1])
+            outputs = store.gather(chosen, batch.input_ids.shape[1])
         clock.lap("target_features")
         with autocast:
-            loss, accuracy = block_loss(drafter, batch, features, cfg.loss_decay)
+            loss, accuracy = block_loss(drafter, batch, outputs.features, cfg.loss_decay,
+                                        outputs if cfg.soft_labels else None, cfg.soft_weight)  # fmt: skip
         clock.lap("drafter_and_loss")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -580,12 +607,13 @@ def _feature_store(cfg: TrainConfig, target, seqs: list[Sequence], layer_ids: li
         return None
     sequences = [s.ids for s in seqs]
     device = next(target.parameters()).device
-    fits, why = store_fits(FeatureStore.nbytes(sequences, len(layer_ids) * hidden_size, target.dtype), device)
+    nbytes = FeatureStore.nbytes(sequences, len(layer_ids) * hidden_size, target.dtype, cfg.soft_labels)
+    fits, why = store_fits(nbytes, device)
     if not fits:
         print(f"feature store: off ({why}); the target runs at every step")
         return None
     began = time.perf_counter()
-    store = FeatureStore.build(target, sequences, layer_ids, pad_id)
+    store = FeatureStore.build(target, sequences, layer_ids, pad_id, cfg.soft_labels)
     print(f"feature store: {len(sequences)} answers, {why}, built in {time.perf_counter() - began:.0f} s")
     return store
 
