@@ -37,6 +37,9 @@ def parse_args(argv=None) -> TrainConfig:
     p.add_argument("--temperature", type=float, default=defaults["temperature"], help="of the responses; 0 = greedy")
     p.add_argument("--responses-per-prompt", type=int, default=defaults["responses_per_prompt"],
                    help="answers per prompt (> 1 needs --temperature > 0)")
+    p.add_argument("--extra-answer-rounds", type=int, default=defaults["extra_answer_rounds"],
+                   help="more answers at --temperature, one per prompt per round, after the first ones (answers "
+                        "already in OUT/responses.jsonl keep their places)")
     p.add_argument("--greedy-first", action="store_true",
                    help="the first answer of each prompt greedy, the others sampled at --temperature (vllm generator)")
     p.add_argument("--gen-batch-size", type=int, default=defaults["gen_batch_size"])

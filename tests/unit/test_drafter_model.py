@@ -478,3 +478,25 @@ def test_training_with_the_feature_store_follows_the_per_step_features(tmp_path,
         assert with_store["heldout_loss"] == pytest.approx(without["heldout_loss"], abs=1e-3)
     with pytest.raises(ValueError, match="soft_weight=1.5"):
         train(TrainConfig(**dict(cfg, soft_weight=1.5), out=str(tmp_path / "bad")), prompt_ids=prompts)
+
+
+def test_extra_answer_rounds_append_after_the_answers_already_generated(tmp_path, one_cpu_thread):
+    """`extra_answer_rounds`: a rerun in the same folder keeps every answer it has (their places unchanged) and
+    appends one more answer per prompt per round, in prompt order, sampled; greedy extra rounds are refused."""
+    from tests.tiny_models import make_tiny_target
+    from vllm_ddtree.drafter.train import TrainConfig, train
+
+    target = make_tiny_target(tmp_path / "target")
+    prompts = [[5 + i, 40 + i, 90 + i] for i in range(3)]
+    cfg = dict(target=str(target), out=str(tmp_path / "run"), block_size=4, num_layers=1, max_new_tokens=10,
+               temperature=1.0, steps=0, eval_every=0, device="cpu")
+    path = tmp_path / "run" / "responses.jsonl"
+    train(TrainConfig(**cfg), prompt_ids=prompts)
+    first = path.read_text().splitlines()
+    train(TrainConfig(**cfg, extra_answer_rounds=2), prompt_ids=prompts)
+    grown = [json.loads(line) for line in path.read_text().splitlines()]
+    assert path.read_text().splitlines()[:3] == first
+    assert [line["prompt"] for line in grown] == prompts * 3
+    assert any(grown[i]["response"] != grown[i + 3]["response"] for i in range(3))  # new samples, not copies
+    with pytest.raises(ValueError, match="extra_answer_rounds=1"):
+        train(TrainConfig(**dict(cfg, temperature=0.0), extra_answer_rounds=1), prompt_ids=prompts)

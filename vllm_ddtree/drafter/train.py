@@ -46,6 +46,9 @@ class TrainConfig:
     temperature: float = 0.0  # of the target's responses; 0 = greedy
     responses_per_prompt: int = 1  # answers per prompt (more data from few prompts); > 1 needs temperature > 0
     greedy_first: bool = False  # the first answer of each prompt greedy, the others at `temperature`
+    # More answers at `temperature`: rounds of one answer per prompt, after the responses_per_prompt answers of
+    # every prompt, so answers generated before (e.g. carried from an earlier session) keep their places.
+    extra_answer_rounds: int = 0
     gen_batch_size: int = 64
     generator: str = "hf"  # "hf" (transformers) or "vllm"
     chat_template: bool = True
@@ -408,9 +411,10 @@ def _load_or_generate(cfg: TrainConfig, target, tokenizer, prompts, prompt_ids, 
         seqs = [Sequence(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
     if prompt_ids is None:
         prompt_ids = encode_prompts(tokenizer, prompts, cfg.chat_template, cfg.max_prompt_len)
-    K = cfg.responses_per_prompt
-    prompt_ids = [p for p in prompt_ids for _ in range(K)]
-    temperatures = [answer_temperature(cfg, i % K) for i in range(len(prompt_ids))]
+    K, rounds = cfg.responses_per_prompt, cfg.extra_answer_rounds
+    temperatures = [answer_temperature(cfg, i % K) for i in range(len(prompt_ids) * K)]
+    temperatures += [cfg.temperature] * (len(prompt_ids) * rounds)
+    prompt_ids = [p for p in prompt_ids for _ in range(K)] + prompt_ids * rounds
     todo, done = prompt_ids[len(seqs) :], len(seqs)
     if todo:
         if cfg.generator == "vllm":
@@ -470,6 +474,9 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
     if cfg.soft_labels < 0 or not 0 <= cfg.soft_weight <= 1:
         raise ValueError(f"soft_labels={cfg.soft_labels}, soft_weight={cfg.soft_weight}: soft_labels is a number of "
                          "top tokens (>= 0; 0 = hard labels only) and soft_weight a weight in [0, 1]")
+    if cfg.extra_answer_rounds < 0 or (cfg.extra_answer_rounds and cfg.temperature <= 0):
+        raise ValueError(f"extra_answer_rounds={cfg.extra_answer_rounds} needs to be 0, or > 0 with temperature > 0 "
+                         f"(got temperature={cfg.temperature}): greedy answers to one prompt are all the same")
     if cfg.responses_per_prompt < 1 or (cfg.responses_per_prompt > 1 and cfg.temperature <= 0):
         raise ValueError(
             f"responses_per_prompt={cfg.responses_per_prompt} needs to be 1, or > 1 with temperature > 0 "
