@@ -210,15 +210,17 @@ def install_v2_runner_hooks() -> None:
             state.timer.skip_step()  # no verification: not a decode step of the profile
         else:
             speculator = self.speculator
-            if num_drafts.min() == num_drafts.max() > 0:  # uniform: the decode steps, nothing from the host
-                num_reqs, num_nodes = input_batch.num_reqs, int(num_drafts[0]) + 1  # n < B + 1 under a schedule
+            if num_drafts.min() == num_drafts.max() > 0:  # the decode steps: nothing from the host
                 state.step = build_uniform_tree_step(
-                    state.uniform_layouts, num_reqs, input_batch.logits_indices, speculator.tree_parents,
+                    state.uniform_layouts,
+                    input_batch.num_reqs,
+                    input_batch.logits_indices,
+                    speculator.tree_parents,
                     speculator.tree_depths,
                     input_batch.idx_mapping,  # the trees are kept by request slot
                     positions=input_batch.positions,  # tree positions: root + depth
-                    num_nodes=num_nodes,
-                )  # fmt: skip
+                    num_nodes=int(num_drafts[0]) + 1,  # < B + 1 under num_speculative_tokens_per_batch_size
+                )
             else:
                 state.step = build_tree_step(
                     num_drafts.tolist(),

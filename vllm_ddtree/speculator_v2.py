@@ -94,4 +94,4 @@ class DDTreeSpeculator(DFlashSpeculator):
             self.tree_depths,
         )  # fmt: skip
         self.timer.mark("tree_build")
-        return token_ids[:, 1:]  # [R, B], read by V2 in this step (into its per-request draft tokens)
+        return token_ids[:, 1:]  # [R, B]
