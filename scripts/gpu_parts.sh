@@ -6,7 +6,10 @@
 #   .gpu/data    prompt packages and the gguf reader; .gpu/g1..gM the SmolLM2 GGUF (scripts/gpu_data.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# build_bundle.sh starts with `rm -rf .gpu`: the banked answers (.gpu/answers, made by a device call) are set aside.
+keep=$(mktemp -d); [ -d .gpu/answers ] && mv .gpu/answers "$keep/"
 ../shared/gpu/build_bundle.sh > /dev/null
+[ -d "$keep/answers" ] && mv "$keep/answers" .gpu/; rmdir "$keep" 2>/dev/null || true
 cache=${GPU_BUNDLE_CACHE:-$HOME/.cache/gpu-bundle}
 # What travels besides a part: the tracked and untracked-not-ignored files (the shipped drafter is most of it).
 tree_mib=$(git ls-files -co --exclude-standard -z | du --files0-from=- -cb 2>/dev/null | tail -1 | awk '{print int($1 / 1048576) + 1}')
