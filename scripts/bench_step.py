@@ -57,14 +57,17 @@ def write_models(root: Path) -> tuple[str, str]:
     return str(target), str(drafter)
 
 
-def spec_for(method: str, drafter: str, budget: int):
+def spec_for(method: str, drafter: str, budget: int, chain_tokens: int | None = None):
     """A method name's speculative config: a "-v1" / "-v2" suffix only picks the model runner
-    (`compat.model_runner_for`); `dflash` and `ddtree` run on vLLM's choice."""
+    (`compat.model_runner_for`); `dflash` and `ddtree` run on vLLM's choice. DDTree gets the node budget, the chain
+    `chain_tokens` drafts (default: the budget)."""
     from vllm_ddtree.compat import method_without_runner
 
     if method == "none":
         return None
-    return {"method": method_without_runner(method), "model": drafter, "num_speculative_tokens": budget}
+    name = method_without_runner(method)
+    tokens = chain_tokens if name == "dflash" and chain_tokens is not None else budget
+    return {"method": name, "model": drafter, "num_speculative_tokens": tokens}
 
 
 def num_drafts(llm) -> int:
@@ -216,7 +219,7 @@ def run_method(method: str, target: str, drafter: str, args) -> list[dict]:
     start = time.perf_counter()
     with model_runner_for(method):
         llm = LLM(
-            model=target, speculative_config=spec_for(method, drafter, args.budget), load_format=args.load_format,
+            model=target, speculative_config=spec_for(method, drafter, args.budget, args.chain_tokens), load_format=args.load_format,
             skip_tokenizer_init=True, max_model_len=args.prompt_len + 2 * args.steps + 64,
             max_num_seqs=max(args.batches), disable_log_stats=False, seed=0, **device_settings(),
         )  # fmt: skip
@@ -291,6 +294,9 @@ def main() -> None:
     parser.add_argument("--methods", default="none,dflash,ddtree")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--budget", type=int, default=15)
+    parser.add_argument("--chain-tokens", type=int, default=None,
+                        help="the chain's num_speculative_tokens (default: --budget); a DFlash drafter drafts at most "
+                        "its block size - 1")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)

@@ -26,3 +26,15 @@ def test_bookkeeping_kernels_are_summed_per_step_apart_from_the_rest():
     assert got["all_kernels_us"] == (40 + 80 + 1000 + 6000) / 8
     assert got["bookkeeping_us"] == (40 + 80) / 8
     assert got["bookkeeping_kernels_us"] == {"_tree_step_layout_kernel": 10.0, "_walk_kernel": 5.0}
+
+
+def test_the_chain_drafts_its_own_count_while_ddtree_takes_the_budget():
+    """A B = 64 DDTree profile against the chain of 15 drafts (a DFlash drafter of block 16 drafts at most 15)."""
+    spec_for = load_bench_step().spec_for
+
+    assert spec_for("ddtree", "D", 64, chain_tokens=15)["num_speculative_tokens"] == 64
+    assert spec_for("dflash", "D", 64, chain_tokens=15)["num_speculative_tokens"] == 15
+    assert spec_for("dflash-v1", "D", 64, chain_tokens=15) == {"method": "dflash", "model": "D",
+                                                                "num_speculative_tokens": 15}
+    assert spec_for("dflash", "D", 15)["num_speculative_tokens"] == 15  # default: the budget
+    assert spec_for("none", "D", 64, chain_tokens=15) is None

@@ -250,21 +250,31 @@ def test_vllm_generator_greedy_first_answers_are_the_greedy_ones(tmp_path, one_c
     assert answers[1::2] != greedy
 
 
-def test_resumed_training_keeps_the_heldout_curve(tmp_path, one_cpu_thread):
-    """A run resumed from a checkpoint reports the held-out points measured before the checkpoint too."""
+def test_resumed_training_keeps_the_heldout_curve(tmp_path, one_cpu_thread, capsys):
+    """A run resumed from a checkpoint reports the held-out points measured before the checkpoint too, logs the
+    checkpoint's point measured again (not added to the curve), and ends with the uninterrupted run's weights."""
+    from safetensors.torch import load_file
+
     from tests.tiny_models import make_tiny_target
     from vllm_ddtree.drafter.train import TrainConfig, train
 
     target = make_tiny_target(tmp_path / "target")
     cfg = dict(target=str(target), out=str(tmp_path / "run"), block_size=4, num_layers=1, max_new_tokens=8, steps=4,
-               batch_size=2, anchors_per_seq=2, warmup_steps=1, eval_every=1, save_every=2, device="cpu")
+               batch_size=2, anchors_per_seq=2, warmup_steps=1, eval_every=1, save_every=2, device="cpu",
+               save_dtype="float32")
     prompts, eval_prompts = [[5, 40, 90], [6, 41, 91]], [[7, 8, 9]]
-    train(TrainConfig(**cfg), prompt_ids=prompts, eval_prompt_ids=eval_prompts)
+    uninterrupted = load_file(str(train(TrainConfig(**cfg), prompt_ids=prompts, eval_prompt_ids=eval_prompts)
+                                  / "model.safetensors"))  # fmt: skip
     first = json.loads((tmp_path / "run" / "report.json").read_text())["heldout_curve"]
-    train(TrainConfig(**cfg, resume=True), prompt_ids=prompts, eval_prompt_ids=eval_prompts)  # from step 2
+    capsys.readouterr()
+    resumed_dir = train(TrainConfig(**cfg, resume=True), prompt_ids=prompts, eval_prompt_ids=eval_prompts)  # step 2
+    logged = [json.loads(line[line.index("{"):]) for line in capsys.readouterr().out.splitlines() if '"resumed"' in line]
     resumed = json.loads((tmp_path / "run" / "report.json").read_text())["heldout_curve"]
     assert [p["step"] for p in first] == [p["step"] for p in resumed] == [1, 2, 3, 4]
     assert resumed[:2] == first[:2]
+    assert logged == [{**first[1], "train_loss": None, "resumed": True}]
+    weights = load_file(str(resumed_dir / "model.safetensors"))
+    assert all(torch.equal(weights[name], uninterrupted[name]) for name in uninterrupted)
 
 
 def test_training_starts_from_a_saved_drafter(tmp_path, one_cpu_thread):

@@ -538,20 +538,28 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
                                       drafter.config.mask_token_id, pad_id, random.Random(cfg.seed + 1))
     curve: list[dict] = list(state.get("heldout_curve", [])) if ckpt is not None else []  # kept across resumes
 
-    def heldout_point(step: int, loss: torch.Tensor | None) -> None:
+    def heldout_point(step: int, loss: torch.Tensor | None, resumed: bool = False) -> None:
         with torch.no_grad(), autocast:
             features = target_features(target, heldout_batch.input_ids.to(device), heldout_batch.seq_lens.to(device),
                                        layer_ids)
             val_loss, val_accuracy = block_loss(drafter, heldout_batch, features, cfg.loss_decay)
-        curve.append({"step": step, "train_loss": None if loss is None else round(loss.item(), 4),
-                      "heldout_loss": round(val_loss.item(), 4), "heldout_acc1": round(val_accuracy[0].item(), 4)})
-        tqdm.write(json.dumps(curve[-1]))
+        point = {"step": step, "train_loss": None if loss is None else round(loss.item(), 4),
+                 "heldout_loss": round(val_loss.item(), 4), "heldout_acc1": round(val_accuracy[0].item(), 4)}
+        if resumed:  # logged, not added: the checkpoint's curve has this step already
+            point["resumed"] = True
+        else:
+            curve.append(point)
+        tqdm.write(json.dumps(point))
 
     store = None  # no steps left (steps=0, or resumed at the end): no features needed
     if start < cfg.steps:
         store = _feature_store(cfg, target, seqs, layer_ids, pad_id, text_config.hidden_size)
     if heldout_batch is not None and start == 0 and cfg.init_from:  # where a run from a saved drafter begins
         heldout_point(0, None)
+    if heldout_batch is not None and start > 0:
+        # Where a resumed run begins, measured again: session 20's resumed run was 0.1 above its checkpoint's point
+        # 250 steps later, and this line tells a changed measurement from a changed drafter.
+        heldout_point(start, None, resumed=True)
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="training", unit="step")
     clock = PhaseClock(device, every=cfg.eval_every)
     done = start  # steps completed
