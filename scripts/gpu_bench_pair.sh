@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call(s) once the bundle and .gpu/data, .gpu/g1-g3 are staged: scripts/benchmark.py on the default pair
+# Device call(s) once the bundle and .gpu/data, .gpu/g1..gM are staged: scripts/benchmark.py on the default pair
 # (SmolLM2-135M-Instruct bf16 + the shipped drafter, or DRAFTER), held-out prompts, answers end at EOS (at most 256 tokens),
 # CUDA graphs on. METHODS limits one call to some methods (SCHEDULES="1-2:64,3-64:16 ..." adds DDTree budgets per
 # batch size, run as methods ddtree-<schedule>); results accumulate in PAIR_DIR (--resume; default

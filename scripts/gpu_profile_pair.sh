@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call after the bundle and .gpu/data, .gpu/g1-g3 are staged: per-step cost of DDTree on the default pair
+# Device call after the bundle and .gpu/data, .gpu/g1..gM are staged: per-step cost of DDTree on the default pair
 # (SmolLM2-135M-Instruct bf16 + the shipped drafter) against no speculation, vLLM's chain on its default runner
 # (`dflash`, Model Runner V2) and the chain on DDTree's V1 runner (`dflash-v1`); host and GPU ms per DDTree phase
 # (VLLM_DDTREE_PROFILE) and torch-profiler tables for batch 1 and 16. Results in $OUT/step*. METHODS, BATCHES, BUDGET

