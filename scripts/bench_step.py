@@ -219,7 +219,8 @@ def run_method(method: str, target: str, drafter: str, args) -> list[dict]:
     start = time.perf_counter()
     with model_runner_for(method):
         llm = LLM(
-            model=target, speculative_config=spec_for(method, drafter, args.budget, args.chain_tokens), load_format=args.load_format,
+            model=target, speculative_config=spec_for(method, drafter, args.budget, args.chain_tokens),
+            load_format=args.load_format,
             skip_tokenizer_init=True, max_model_len=args.prompt_len + 2 * args.steps + 64,
             max_num_seqs=max(args.batches), disable_log_stats=False, seed=0, **device_settings(),
         )  # fmt: skip

@@ -30,7 +30,8 @@ def heldout_prompt_ids(target: str, max_prompt_len: int) -> list[list[int]]:
     tokenizer = AutoTokenizer.from_pretrained(target)
     ids = []
     for source, count in PROMPTS_PER_SOURCE.items():
-        ids += encode_prompts(tokenizer, heldout_prompts(source), chat_template=True, max_prompt_len=max_prompt_len)[:count]
+        records = heldout_prompts(source)
+        ids += encode_prompts(tokenizer, records, chat_template=True, max_prompt_len=max_prompt_len)[:count]
     return ids
 
 

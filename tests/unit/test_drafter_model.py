@@ -268,7 +268,8 @@ def test_resumed_training_keeps_the_heldout_curve(tmp_path, one_cpu_thread, caps
     first = json.loads((tmp_path / "run" / "report.json").read_text())["heldout_curve"]
     capsys.readouterr()
     resumed_dir = train(TrainConfig(**cfg, resume=True), prompt_ids=prompts, eval_prompt_ids=eval_prompts)  # step 2
-    logged = [json.loads(line[line.index("{"):]) for line in capsys.readouterr().out.splitlines() if '"resumed"' in line]
+    lines = capsys.readouterr().out.splitlines()
+    logged = [json.loads(line[line.index("{"):]) for line in lines if '"resumed"' in line]
     resumed = json.loads((tmp_path / "run" / "report.json").read_text())["heldout_curve"]
     assert [p["step"] for p in first] == [p["step"] for p in resumed] == [1, 2, 3, 4]
     assert resumed[:2] == first[:2]
