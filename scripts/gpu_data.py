@@ -5,8 +5,8 @@
 
 `scripts/gpu_train.sh` unpacks the tarball to /tmp/pkgs and puts it on PYTHONPATH: the folders there mirror the installed
 packages' layout (namespace packages holding only the files `vllm_ddtree.drafter.data` and
-`vllm_ddtree.models.smollm2` read), so the same code finds them. ShareGPT keeps only each record's id and first
-human turn (what training reads; the held-out split depends on the id alone). The 98 MB GGUF travels in parts of at
+`vllm_ddtree.models.smollm2` read), so the same code finds them. ShareGPT keeps only each record's id and human
+turns (what training reads; the held-out split depends on the id alone). The 98 MB GGUF travels in parts of at
 most --part-mib: one device call carries at most 64 MiB, working tree included (the shipped drafter is most of it;
 `scripts/gpu_parts.sh` sizes the parts from it); `scripts/gpu_stage_data.sh` joins them.
 """
@@ -34,6 +34,12 @@ def mirror(source: str, pkgs: Path) -> Path:
     return dest
 
 
+def sharegpt_records(prompts) -> list[dict]:
+    """The ShareGPT file's records as `data._read_sharegpt` reads them back: each record's id and user turns (the
+    first is the prompt; the later ones are `--later-turns` prompts). 4.9 MiB compressed."""
+    return [{"id": p.id, "conversations": [{"from": "human", "value": turn} for turn in p.turns]} for p in prompts]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument("--part-mib", type=int, default=31, help="largest GGUF part (MiB)")
@@ -41,8 +47,7 @@ def main() -> None:
     gpu = ROOT / ".gpu"
     pkgs = gpu / "data" / "pkgs"
     shutil.rmtree(gpu / "data", ignore_errors=True)
-    records = [{"id": p.id, "conversations": [{"from": "human", "value": p.text}]} for p in data._load_all("sharegpt")]
-    mirror("sharegpt", pkgs).write_text(json.dumps(records))
+    mirror("sharegpt", pkgs).write_text(json.dumps(sharegpt_records(data._load_all("sharegpt"))))
     for source in ("mtbench", "humaneval"):
         shutil.copyfile(data.package_file(source), mirror(source, pkgs))
     import gguf

@@ -23,5 +23,5 @@ for f in .gpu/split/part*; do
 done
 rmdir .gpu/split
 for i in $(seq 1 "$n"); do echo "$n" > ".gpu/p$i/COUNT"; done
-python scripts/gpu_data.py --part-mib "$((part_mib - 4))"  # .gpu/data (3.1 MiB) travels with the first GGUF part
+python scripts/gpu_data.py --part-mib "$((part_mib - 6))"  # .gpu/data (5 MiB) travels with the first GGUF part
 du -sh .gpu/*

@@ -40,6 +40,9 @@ def parse_args(argv=None) -> TrainConfig:
     p.add_argument("--extra-answer-rounds", type=int, default=defaults["extra_answer_rounds"],
                    help="more answers at --temperature, one per prompt per round, after the first ones (answers "
                         "already in OUT/responses.jsonl keep their places)")
+    p.add_argument("--later-turns", action="store_true",
+                   help="more prompts: every later user turn of the training conversations (~37k distinct), "
+                        "answered once (greedy with --greedy-first) after all other answers")
     p.add_argument("--greedy-first", action="store_true",
                    help="the first answer of each prompt greedy, the others sampled at --temperature (vllm generator)")
     p.add_argument("--gen-batch-size", type=int, default=defaults["gen_batch_size"])

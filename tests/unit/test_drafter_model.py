@@ -198,6 +198,26 @@ def test_heldout_split_is_fixed_and_disjoint():
     assert not {p.id for p in heldout} & {p.id for p in data.train_prompts(("humaneval",))}
 
 
+def test_later_turns_are_the_training_records_later_user_turns():
+    """`later_turn_prompts`: each later user turn of a training record, once, as its own prompt; nothing from a
+    held-out record; the order fixed by the seed; a text seen before left out."""
+    from vllm_ddtree.drafter import data
+
+    try:
+        every = data.load_prompts("mtbench", "all")  # 80 two-turn questions
+    except ValueError as e:  # the data package is not installed here
+        pytest.skip(str(e))
+    later = data.later_turn_prompts(("mtbench",), seed=3)
+    train = [p for p in every if not data.is_heldout("mtbench", p.id)]
+    assert sorted((p.id, p.text) for p in later) == sorted((f"{p.id}/turn2", p.turns[1]) for p in train)
+    assert all(p.turns == (p.text,) and p.source == "mtbench" for p in later)
+    assert later == data.later_turn_prompts(("mtbench",), seed=3)
+    assert [p.id for p in later] != [p.id for p in data.later_turn_prompts(("mtbench",), seed=4)]
+    later_sharegpt = data.later_turn_prompts(("sharegpt",))
+    texts = [p.text.strip().lower() for p in later_sharegpt]
+    assert len(texts) == len(set(texts)) > 30_000 and "continue" in texts
+
+
 def test_training_end_to_end_with_several_sampled_answers_per_prompt(tmp_path, one_cpu_thread):
     """train() on a tiny random target from token-id prompts: two sampled answers per prompt (different ones),
     the held-out curve in report.json, a drafter folder vLLM's DFlash loader reads; greedy + several answers is
@@ -511,3 +531,46 @@ def test_extra_answer_rounds_append_after_the_answers_already_generated(tmp_path
     assert any(grown[i]["response"] != grown[i + 3]["response"] for i in range(3))  # new samples, not copies
     with pytest.raises(ValueError, match="extra_answer_rounds=1"):
         train(TrainConfig(**dict(cfg, temperature=0.0), extra_answer_rounds=1), prompt_ids=prompts)
+
+
+def test_the_device_copy_of_sharegpt_reads_back_as_the_same_prompts(tmp_path):
+    """scripts/gpu_data.py's ShareGPT copy (ids and user turns only) gives the device the same first-turn prompts
+    and the same later turns as the package gives here."""
+    from test_benchmark_script import load_script
+
+    from vllm_ddtree.drafter import data
+
+    try:
+        prompts = data._load_all("sharegpt")[:300]
+    except ValueError as e:  # the data package is not installed here
+        pytest.skip(str(e))
+    copy = tmp_path / "sharegpt.json"
+    copy.write_text(json.dumps(load_script("gpu_data.py").sharegpt_records(prompts)))
+    again = tuple(data._read_sharegpt(copy))
+    assert again == prompts and sum(len(p.turns) for p in again) > len(again)
+
+
+def test_later_turn_answers_come_last_and_a_foreign_bank_is_refused(tmp_path, one_cpu_thread):
+    """`later_turns`: the later-turn prompts are answered once each (greedy with greedy_first), after every other
+    answer, so a banked file stays valid; a banked file made for other prompts is refused, with the answer named."""
+    from tests.tiny_models import make_tiny_target
+    from vllm_ddtree.drafter.train import TrainConfig, answer_plan, train
+
+    cfg = dict(responses_per_prompt=2, extra_answer_rounds=1, greedy_first=True, temperature=0.7)
+    plan, temperatures = answer_plan(TrainConfig(target="t", out="o", **cfg), [[1], [2]], [[3], [4], [5]])
+    assert plan == [[1], [1], [2], [2], [1], [2], [3], [4], [5]]
+    assert temperatures == [0.0, 0.7, 0.0, 0.7, 0.7, 0.7, 0.0, 0.0, 0.0]
+
+    target = make_tiny_target(tmp_path / "target")
+    prompts, later = [[5, 40, 90], [6, 41, 91]], [[7, 42, 92], [8, 43]]
+    run = dict(target=str(target), out=str(tmp_path / "run"), block_size=4, num_layers=1, max_new_tokens=6,
+               steps=0, eval_every=0, device="cpu")
+    path = tmp_path / "run" / "responses.jsonl"
+    train(TrainConfig(**run), prompt_ids=prompts)
+    first = path.read_text().splitlines()
+    train(TrainConfig(**run, later_turns=True), prompt_ids=prompts, later_prompt_ids=later)
+    grown = [json.loads(line) for line in path.read_text().splitlines()]
+    assert path.read_text().splitlines()[:2] == first
+    assert [line["prompt"] for line in grown] == prompts + later
+    with pytest.raises(ValueError, match="answer 1 of 4 belongs to another prompt"):
+        train(TrainConfig(**run, later_turns=True), prompt_ids=[prompts[0], later[0]], later_prompt_ids=later)

@@ -88,6 +88,24 @@ def train_prompts(sources=SOURCES, limit: int | None = None, seed: int = 0) -> l
     return prompts[:limit] if limit is not None else prompts
 
 
+def later_turn_prompts(sources=SOURCES, seed: int = 0) -> list[Prompt]:
+    """Every user turn after the first of the training records of ``sources``, each a prompt of its own (id
+    ``<record id>/turn<k>``, k from 2), shuffled with ``seed``: ShareGPT's 16.5k training conversations hold
+    ~41.6k such turns, 36.9k distinct. The target answers them without the turns before them; for drafter training
+    any prompt the target answers is data. A turn whose text (case and surrounding space aside) came before is left
+    out ("continue" alone is 636 turns), and nothing comes from a held-out record."""
+    prompts, seen = [], set()
+    for source in sources:
+        for p in load_prompts(source, "train"):
+            for k, turn in enumerate(p.turns[1:], start=2):
+                key = turn.strip().lower()
+                if key and key not in seen:
+                    seen.add(key)
+                    prompts.append(Prompt(p.source, f"{p.id}/turn{k}", turn, (turn,), p.category))
+    random.Random(seed).shuffle(prompts)
+    return prompts
+
+
 def heldout_prompts(source: str, limit: int | None = None) -> list[Prompt]:
     """Held-out prompts of one source for benchmarks (file order, first ``limit``)."""
     prompts = load_prompts(source, "heldout")

@@ -49,6 +49,9 @@ class TrainConfig:
     # More answers at `temperature`: rounds of one answer per prompt, after the responses_per_prompt answers of
     # every prompt, so answers generated before (e.g. carried from an earlier session) keep their places.
     extra_answer_rounds: int = 0
+    # More prompts: every later user turn of the training conversations (`data.later_turn_prompts`) answered once
+    # (greedy with `greedy_first`), after all the answers above, so those keep their places too.
+    later_turns: bool = False
     gen_batch_size: int = 64
     generator: str = "hf"  # "hf" (transformers) or "vllm"
     chat_template: bool = True
@@ -403,7 +406,20 @@ def _lr_lambda(cfg: TrainConfig):
     return schedule
 
 
-def _load_or_generate(cfg: TrainConfig, target, tokenizer, prompts, prompt_ids, pad_id, eos_ids) -> list[Sequence]:
+def answer_plan(cfg: TrainConfig, prompt_ids: list[list[int]], later_prompt_ids: list[list[int]]
+                ) -> tuple[list[list[int]], list[float]]:  # fmt: skip
+    """The prompt and temperature of every answer, in the order of OUT/responses.jsonl: each prompt's
+    `responses_per_prompt` answers, then the `extra_answer_rounds` rounds, then one answer per later-turn prompt.
+    What is added later goes last, so a banked file stays a prefix of the plan."""
+    K, rounds = cfg.responses_per_prompt, cfg.extra_answer_rounds
+    temperatures = [answer_temperature(cfg, i % K) for i in range(len(prompt_ids) * K)]
+    temperatures += [cfg.temperature] * (len(prompt_ids) * rounds)
+    temperatures += [answer_temperature(cfg, 0)] * len(later_prompt_ids)
+    return [p for p in prompt_ids for _ in range(K)] + prompt_ids * rounds + later_prompt_ids, temperatures
+
+
+def _load_or_generate(cfg: TrainConfig, target, tokenizer, prompts, prompt_ids, later_prompt_ids, pad_id, eos_ids
+                      ) -> list[Sequence]:  # fmt: skip
     """OUT/responses.jsonl caches the target's responses; generation resumes where the file stops."""
     path = Path(cfg.out) / "responses.jsonl"
     seqs = []
@@ -411,10 +427,14 @@ def _load_or_generate(cfg: TrainConfig, target, tokenizer, prompts, prompt_ids, 
         seqs = [Sequence(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
     if prompt_ids is None:
         prompt_ids = encode_prompts(tokenizer, prompts, cfg.chat_template, cfg.max_prompt_len)
-    K, rounds = cfg.responses_per_prompt, cfg.extra_answer_rounds
-    temperatures = [answer_temperature(cfg, i % K) for i in range(len(prompt_ids) * K)]
-    temperatures += [cfg.temperature] * (len(prompt_ids) * rounds)
-    prompt_ids = [p for p in prompt_ids for _ in range(K)] + prompt_ids * rounds
+    prompt_ids, temperatures = answer_plan(cfg, prompt_ids, later_prompt_ids)
+    stray = next((i for i, seq in enumerate(seqs) if i >= len(prompt_ids) or seq.prompt != prompt_ids[i]), None)
+    if stray is not None:
+        raise ValueError(
+            f"{path}: answer {stray} of {len(seqs)} belongs to another prompt than this run's answer {stray} "
+            f"({len(prompt_ids)} planned): the file was made with other settings (num_prompts, max_prompt_len, "
+            "responses_per_prompt, extra_answer_rounds, later_turns, sources, seed); run with those, or another --out"
+        )
     todo, done = prompt_ids[len(seqs) :], len(seqs)
     if todo:
         if cfg.generator == "vllm":
@@ -459,12 +479,13 @@ def _save_checkpoint(out: Path, step: int, drafter, optimizer, scheduler, rng: r
 
 
 def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = None,
-          eval_prompt_ids: list[list[int]] | None = None) -> Path:
+          eval_prompt_ids: list[list[int]] | None = None, later_prompt_ids: list[list[int]] | None = None) -> Path:
     """Train a drafter for ``cfg.target``; return the folder vLLM loads as a DFlash drafter (OUT/drafter).
 
     Prompts: ``prompt_ids`` (token ids) if given, else ``prompts`` (``Prompt`` records or strings), else
-    ``cfg.num_prompts`` training prompts of ``cfg.sources``. Evaluation (simulated acceptance length) runs on
-    ``eval_prompt_ids`` or on held-out prompts.
+    ``cfg.num_prompts`` training prompts of ``cfg.sources``. With ``cfg.later_turns``: ``later_prompt_ids`` if
+    given, else the later user turns of ``cfg.sources`` (`data.later_turn_prompts`). Evaluation (simulated
+    acceptance length) runs on ``eval_prompt_ids`` or on held-out prompts.
     """
     from tqdm.auto import tqdm
 
@@ -508,7 +529,11 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
     drafter.attach_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
     (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
 
-    seqs = _load_or_generate(cfg, target, tokenizer, prompts, prompt_ids, pad_id, eos_ids)
+    later = []
+    if cfg.later_turns:
+        later = later_prompt_ids if later_prompt_ids is not None else encode_prompts(
+            tokenizer, data.later_turn_prompts(cfg.sources, seed=cfg.seed), cfg.chat_template, cfg.max_prompt_len)
+    seqs = _load_or_generate(cfg, target, tokenizer, prompts, prompt_ids, later, pad_id, eos_ids)
     if not seqs:
         raise ValueError("the target produced no response of 2 or more tokens; check the prompts and EOS ids")
     eval_seqs = _eval_sequences(cfg, target, tokenizer, eval_prompt_ids, pad_id, eos_ids)
