@@ -20,21 +20,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 PROMPTS_PER_SOURCE = {"sharegpt": 8, "mtbench": 4, "humaneval": 4}
 
 
-def heldout_prompt_ids(target: str, max_prompt_len: int) -> list[list[int]]:
-    """Chat-templated held-out prompts, encoded as drafter training encodes its prompts."""
-    from transformers import AutoTokenizer
-
-    from vllm_ddtree.drafter.data import heldout_prompts
-    from vllm_ddtree.drafter.train import encode_prompts
-
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    ids = []
-    for source, count in PROMPTS_PER_SOURCE.items():
-        records = heldout_prompts(source)
-        ids += encode_prompts(tokenizer, records, chat_template=True, max_prompt_len=max_prompt_len)[:count]
-    return ids
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("drafters", nargs="+", help="NAME=FOLDER, one per drafter")
@@ -53,11 +38,13 @@ def main() -> None:
             parser.error(f"{item!r}: give NAME=FOLDER, where FOLDER holds a drafter's config.json")
         drafters[name] = folder
 
+    from transformers import AutoTokenizer
     from vllm import SamplingParams
 
     from tests.e2e.engine import run
+    from vllm_ddtree.drafter.train import heldout_prompt_ids
 
-    prompts = heldout_prompt_ids(args.target, args.max_prompt_len)
+    prompts = heldout_prompt_ids(AutoTokenizer.from_pretrained(args.target), PROMPTS_PER_SOURCE, args.max_prompt_len)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False)
     engine = dict(skip_tokenizer_init=False, max_model_len=1024, dtype=args.dtype, max_num_seqs=len(prompts))
     methods = {"chain": ("dflash", args.chain_tokens), f"ddtree-B{args.budget}": ("ddtree", args.budget)}

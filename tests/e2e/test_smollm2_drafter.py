@@ -36,18 +36,12 @@ def prompts(smollm2) -> list[list[int]]:
     """Chat-templated token ids of a few held-out prompts, encoded as drafter training encodes its prompts."""
     from transformers import AutoTokenizer
 
-    from vllm_ddtree.drafter.data import heldout_prompts
-    from vllm_ddtree.drafter.train import encode_prompts
+    from vllm_ddtree.drafter.train import heldout_prompt_ids
 
-    tokenizer = AutoTokenizer.from_pretrained(smollm2)
-    ids = []
-    for source, count in PROMPTS_PER_SOURCE.items():
-        try:
-            records = heldout_prompts(source)
-        except ValueError as error:  # the data package is missing
-            pytest.skip(f"held-out prompts unavailable: {error}")
-        ids += encode_prompts(tokenizer, records, chat_template=True, max_prompt_len=MAX_PROMPT_LEN)[:count]
-    return ids
+    try:
+        return heldout_prompt_ids(AutoTokenizer.from_pretrained(smollm2), PROMPTS_PER_SOURCE, MAX_PROMPT_LEN)
+    except ValueError as error:  # the data package is missing
+        pytest.skip(f"held-out prompts unavailable: {error}")
 
 
 @pytest.fixture(scope="module")

@@ -191,6 +191,17 @@ def encode_prompts(tokenizer, prompts, chat_template: bool, max_prompt_len: int)
     return encoded
 
 
+def heldout_prompt_ids(tokenizer, per_source: dict[str, int], max_prompt_len: int) -> list[list[int]]:
+    """The first ``per_source[source]`` held-out prompts of each source that fit ``max_prompt_len``, chat-templated
+    and encoded as training encodes its prompts, source after source. ValueError if a source's package is missing."""
+    from vllm_ddtree.drafter.data import heldout_prompts
+
+    ids = []
+    for source, count in per_source.items():
+        ids += encode_prompts(tokenizer, heldout_prompts(source), True, max_prompt_len)[:count]
+    return ids
+
+
 @torch.no_grad()
 def generate_responses(
     model, prompts: list[list[int]], max_new_tokens: int, temperature: float, batch_size: int, eos_ids, pad_id: int
