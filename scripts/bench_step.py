@@ -122,14 +122,25 @@ def profile_pass(llm, batch: int, prompt_len: int, steps: int, path: Path) -> di
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def device_settings() -> dict:
+def graph_capture_sizes(spec: dict | None, max_num_seqs: int, drafter: str) -> list[int]:
+    """`benchmark.py`'s capture sizes, so every uniform verification step replays a FULL graph. Powers of two alone
+    left a batch-1 step of B = 64 (65 tokens, bucket 128) piecewise with tree attention eager: session 21's batch-1
+    profile ran 23 of its 24 DDTree steps so (11 ms a step)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from benchmark import capture_sizes, drafts_by_batch_size
+
+    block_size = json.loads((Path(drafter) / "config.json").read_text())["block_size"]
+    return capture_sizes(drafts_by_batch_size(spec, max_num_seqs), block_size)
+
+
+def device_settings(capture_sizes: list[int]) -> dict:
     """The H200: bf16, CUDA graphs; a CPU (trying the script out): float32, eager, a small KV cache."""
     import torch
 
     if not torch.cuda.is_available():
         return dict(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=256 * 2**20)
-    capture = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 512})
-    return dict(dtype="bfloat16", gpu_memory_utilization=0.8, compilation_config={"cudagraph_capture_sizes": capture})
+    return dict(dtype="bfloat16", gpu_memory_utilization=0.8,
+                compilation_config={"cudagraph_capture_sizes": capture_sizes})  # fmt: skip
 
 
 # DDTree's own per-step kernels besides the tree attention (verification) and the drafter pass: tree layout, FULL-graph
@@ -217,12 +228,13 @@ def run_method(method: str, target: str, drafter: str, args) -> list[dict]:
     from vllm_ddtree.compat import model_runner_for
 
     start = time.perf_counter()
+    spec, max_num_seqs = spec_for(method, drafter, args.budget, args.chain_tokens), max(args.batches)
     with model_runner_for(method):
         llm = LLM(
-            model=target, speculative_config=spec_for(method, drafter, args.budget, args.chain_tokens),
-            load_format=args.load_format,
+            model=target, speculative_config=spec, load_format=args.load_format,
             skip_tokenizer_init=True, max_model_len=args.prompt_len + 2 * args.steps + 64,
-            max_num_seqs=max(args.batches), disable_log_stats=False, seed=0, **device_settings(),
+            max_num_seqs=max_num_seqs, disable_log_stats=False, seed=0,
+            **device_settings(graph_capture_sizes(spec, max_num_seqs, drafter)),
         )  # fmt: skip
     init_s = time.perf_counter() - start
     vocab = llm.llm_engine.model_config.get_vocab_size()

@@ -1,9 +1,9 @@
 """Benchmark: no speculation vs vLLM's DFlash chain vs DDTree, side by side in one run.
 
 For each method one engine (same target, prompts and engine settings; CUDA graphs on unless --eager), then for
-each temperature and batch size: submit `batch` prompts at once, generate `--max-tokens` tokens each, and record
-output tokens/s, time per output token, acceptance length and acceptance per depth (from vLLM's spec-decode
-counters, differenced around the run). Writes JSON, a markdown table and PNG plots to --out.
+each temperature and batch size: run the prompts with `batch` requests in flight at a time, generate `--max-tokens`
+tokens each, and record output tokens/s, time per output token, acceptance length and acceptance per depth (from
+vLLM's spec-decode counters, differenced around the run). Writes JSON, a markdown table and PNG plots to --out.
 
     python scripts/benchmark.py --target DIR --drafter DIR [--budgets 8 16 32] [--batch-sizes 1 4 16 64]
         [--temperatures 0 1] [--max-tokens 128] [--load-format dummy] [--out bench-out]
@@ -103,8 +103,39 @@ def counters(llm) -> dict:
     return values
 
 
+def generate_at_concurrency(llm, prompts: list, concurrency: int, params) -> list:
+    """Generate for every prompt with `concurrency` requests running at a time: an answer that ends is replaced by
+    the next prompt at once (continuous batching, as a server under that load). Outputs in prompt order.
+
+    Consecutive groups of `concurrency` prompts (this script until session 21) let each group drain to its longest
+    answer, so a row's figure hung on how the few long answers fell into groups: at T = 1, where every method samples
+    other answers, that moved a row by more than the methods differ (session 21, batch 4)."""
+    engine = llm.llm_engine
+    queue = list(enumerate(prompts))[::-1]  # pop() takes the next prompt
+    index_of, outputs = {}, [None] * len(prompts)
+
+    def submit() -> None:
+        index, prompt = queue.pop()
+        request_id = f"bench-{next(_REQUEST_IDS)}"  # outputs carry this id (vLLM keeps its own suffixed copy inside)
+        engine.add_request(request_id, prompt, params)
+        index_of[request_id] = index
+
+    while queue and len(index_of) < concurrency:
+        submit()
+    while index_of:
+        for output in engine.step():
+            if output.finished:
+                outputs[index_of.pop(output.request_id)] = output
+                if queue:
+                    submit()
+    return outputs
+
+
+_REQUEST_IDS = itertools.count()
+
+
 def measure(llm, prompts, batch: int, temperature: float, max_tokens: int, seed: int, ignore_eos: bool = True) -> dict:
-    """Generate for ``prompts`` in consecutive groups of ``batch`` submitted at once; time all groups together."""
+    """Generate for ``prompts`` with ``batch`` requests running at a time (`generate_at_concurrency`); time it."""
     from vllm import SamplingParams
 
     params = SamplingParams(
@@ -112,9 +143,7 @@ def measure(llm, prompts, batch: int, temperature: float, max_tokens: int, seed:
     )
     before = counters(llm)
     start = time.perf_counter()
-    outputs = []
-    for i in range(0, len(prompts), batch):
-        outputs += llm.generate(prompts[i : i + batch], params, use_tqdm=False)
+    outputs = generate_at_concurrency(llm, prompts, batch, params)
     seconds = time.perf_counter() - start
     after = counters(llm)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)

@@ -38,3 +38,19 @@ def test_the_chain_drafts_its_own_count_while_ddtree_takes_the_budget():
                                                                 "num_speculative_tokens": 15}
     assert spec_for("dflash", "D", 15)["num_speculative_tokens"] == 15  # default: the budget
     assert spec_for("none", "D", 64, chain_tokens=15) is None
+
+
+def test_every_verification_step_of_the_profile_gets_a_full_graph_size(tmp_path):
+    """Session 21: with powers of two alone, B = 64 at batch 1 (65 tokens) fell to the 128 bucket and ran piecewise.
+    The sizes must hold r x (B + 1) for every request count r, and the drafter's block x max_num_seqs."""
+    bench = load_bench_step()
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text('{"block_size": 16}')
+
+    sizes = bench.graph_capture_sizes(bench.spec_for("ddtree", str(drafter), 64), 4, str(drafter))
+    assert {65, 130, 195, 260} <= set(sizes)
+    assert 16 * 4 in sizes
+    chain = bench.graph_capture_sizes(bench.spec_for("dflash", str(drafter), 64, chain_tokens=15), 1, str(drafter))
+    assert 16 in chain
+    assert bench.graph_capture_sizes(None, 8, str(drafter))  # no speculation: powers of two for prefills
