@@ -134,8 +134,13 @@ def generate_at_concurrency(llm, prompts: list, concurrency: int, params) -> lis
 _REQUEST_IDS = itertools.count()
 
 
-def measure(llm, prompts, batch: int, temperature: float, max_tokens: int, seed: int, ignore_eos: bool = True) -> dict:
-    """Generate for ``prompts`` with ``batch`` requests running at a time (`generate_at_concurrency`); time it."""
+def measure(
+    llm, prompts, batch: int, temperature: float, max_tokens: int, seed: int, ignore_eos: bool = True,
+    min_seconds: float = 0.0,
+) -> dict:
+    """Generate for ``prompts`` with ``batch`` requests running at a time (`generate_at_concurrency`); time it. The
+    same prompts run again (same seeds, so the same answers) until ``min_seconds`` have passed: session 21's rows of
+    0.5-1 s at batches 16 and 64 moved by up to 38% between two machines, against 7-28% for the longer rows."""
     from vllm import SamplingParams
 
     params = SamplingParams(
@@ -144,20 +149,25 @@ def measure(llm, prompts, batch: int, temperature: float, max_tokens: int, seed:
     before = counters(llm)
     start = time.perf_counter()
     outputs = generate_at_concurrency(llm, prompts, batch, params)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    passes = 1
+    while time.perf_counter() - start < min_seconds:
+        tokens += sum(len(o.outputs[0].token_ids) for o in generate_at_concurrency(llm, prompts, batch, params))
+        passes += 1
     seconds = time.perf_counter() - start
     after = counters(llm)
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     drafts = after.get(SPEC_COUNTERS[0], 0) - before.get(SPEC_COUNTERS[0], 0)
     accepted = after.get(SPEC_COUNTERS[1], 0) - before.get(SPEC_COUNTERS[1], 0)
     per_pos = [a - b for a, b in zip(after.get(PER_POS, []), before.get(PER_POS, [0] * len(after.get(PER_POS, []))))]
     return {
         "output_tokens": tokens,
+        "passes": passes,
         "seconds": seconds,
         "output_tokens_per_s": tokens / seconds,
         "ms_per_output_token": 1000 * seconds * batch / tokens,  # per request: `batch` requests run together
         "acceptance_length": 1 + accepted / drafts if drafts else None,
         "acceptance_per_depth": [round(x / drafts, 4) for x in per_pos] if drafts else None,
-        "token_ids": [list(o.outputs[0].token_ids) for o in outputs],  # [prompts][tokens]
+        "token_ids": [list(o.outputs[0].token_ids) for o in outputs],  # [prompts][tokens], the first pass
     }
 
 
@@ -336,7 +346,9 @@ def main() -> None:
                              "ddtree-<RANGES> of --schedules; a -v2 suffix runs DDTree on Model Runner V2, e.g. "
                              "ddtree-B32-v2)")
     parser.add_argument("--min-prompts", type=int, default=16,
-                        help="prompts per measurement at least: small batch sizes run them in consecutive groups")
+                        help="prompts per measurement at least, `batch` of them in flight at a time")
+    parser.add_argument("--min-row-seconds", type=float, default=0.0,
+                        help="run a measurement's prompts again (the same answers) until this long has passed")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None,
                         help="token counts CUDA graphs are captured for (default: every request count's decode step "
@@ -411,7 +423,8 @@ def main() -> None:
         for temperature in args.temperatures:
             for batch in args.batch_sizes:
                 group = prompts[: max(batch, args.min_prompts)]
-                result = measure(llm, group, batch, temperature, args.max_tokens, 1, not args.stop_at_eos)
+                result = measure(llm, group, batch, temperature, args.max_tokens, 1, not args.stop_at_eos,
+                                 args.min_row_seconds)
                 token_ids = result.pop("token_ids")
                 if temperature == 0:
                     greedy_tokens[greedy_key(name, batch)] = token_ids

@@ -7,6 +7,7 @@
 # benchmark.py writes its results after every method straight into $OUT/pair (a call cut by its time limit still
 # brings back what it measured: session 13 lost a whole call's rows to a copy that came after the limit).
 # EAGER=1: no CUDA graphs or torch.compile (engines start in seconds): for acceptance lengths, not for speed.
+# ROW_S (default 3): a row's prompts run again until this many seconds have passed (benchmark.py --min-row-seconds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -17,7 +18,7 @@ pair=${PAIR_DIR:-/tmp/pair-bench}
 mkdir -p "$pair" "$OUT/pair" && cp "$pair"/* "$OUT/pair/" 2>/dev/null
 timeout "${BENCH_S:-540}" python scripts/benchmark.py --target /tmp/smollm2 --drafter "$drafter" \
   --budgets 8 16 32 64 128 --batch-sizes ${BATCHES:-1 4 16 64} --temperatures 0 1 --max-tokens 256 --stop-at-eos \
-  --min-prompts 16 --out "$OUT/pair" --resume ${SCHEDULES:+--schedules $SCHEDULES} ${METHODS:+--methods $METHODS} \
+  --min-prompts 16 --min-row-seconds "${ROW_S:-3}" --out "$OUT/pair" --resume ${SCHEDULES:+--schedules $SCHEDULES} ${METHODS:+--methods $METHODS} \
   ${EAGER:+--eager} \
   > "$OUT/bench_pair.log" 2>&1
 echo "bench rc=$?"

@@ -33,6 +33,9 @@ def test_requests_in_flight_stay_at_the_batch_size_and_answers_match_generate(pr
         engine.step = counted_step
         outputs = bench.generate_at_concurrency(llm, [{"prompt_token_ids": p} for p in prompts[:7]], 3, params)
         engine.step = step
+        once = bench.measure(llm, [{"prompt_token_ids": p} for p in prompts[:7]], 3, 0.0, 24, 1, True)
+        repeated = bench.measure(llm, [{"prompt_token_ids": p} for p in prompts[:7]], 3, 0.0, 24, 1, True,
+                                 min_seconds=1.5 * once["seconds"])  # fmt: skip
     finally:
         close(llm)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
@@ -40,3 +43,8 @@ def test_requests_in_flight_stay_at_the_batch_size_and_answers_match_generate(pr
     # back up again, as consecutive groups of 3 would be.
     assert in_flight[0] == 3 and max(in_flight) == 3
     assert all(a >= b for a, b in zip(in_flight, in_flight[1:])), in_flight
+    # A measurement's prompts run again until its minimum time has passed: the same answers, tokens counted per pass.
+    assert once["passes"] == 1 and once["output_tokens"] == 7 * 24
+    assert repeated["passes"] >= 2 and repeated["output_tokens"] == repeated["passes"] * 7 * 24
+    assert repeated["token_ids"] == once["token_ids"]
+    assert repeated["acceptance_length"] == pytest.approx(once["acceptance_length"])
