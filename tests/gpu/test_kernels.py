@@ -169,12 +169,16 @@ def test_compaction_matches_reference(dtype, num_reqs, moves):
         for _ in range(layers)
     ]
     expected = [c.clone() for c in caches]
-    src, dst = _random_moves(num_reqs, moves, slots_per_req, gen)
+    src, dst = _random_moves(num_reqs, moves, slots_per_req, gen)  # [R, M] slots
+    # The kernel takes scheduled-token indices and the step's slot mapping: tokens in shuffled order here.
+    slot_mapping = torch.randperm(num_blocks * page, generator=gen)  # [num_tokens] token -> slot
+    token_of_slot = torch.argsort(slot_mapping)
     for c in expected:
         PagedKV.for_packed(c, hd).copy_slots(src.flatten().to(DEVICE), dst.flatten().to(DEVICE))
     views = [PagedKV.for_packed(c, hd) for c in caches]
     table = LayerTable([v.keys for v in views], [v.values for v in views])
-    compact_kv_triton_(table, src.to(DEVICE), dst.to(DEVICE))
+    src_token, dst_token = token_of_slot[src].to(DEVICE), token_of_slot[dst].to(DEVICE)  # [R, M]
+    compact_kv_triton_(table, src_token, dst_token, slot_mapping.to(DEVICE))
     for got, want in zip(caches, expected):
         assert torch.equal(got, want)
 

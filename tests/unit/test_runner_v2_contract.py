@@ -119,7 +119,7 @@ def test_verifier_logprob_rows_are_the_path_nodes_rows():
             kids = (step.parents[r] == node).nonzero()
             if kids.numel():
                 choices[step.node_rows[r, node]] = tokens[r, kids[0, 0]]
-    walk, _, output = walk_and_moves_(step, choices, tokens, depth, torch.zeros(num_tokens, dtype=torch.int64))
+    walk, _, output = walk_and_moves_(step, choices, input_ids, depth, torch.zeros(num_tokens, dtype=torch.int64))
     assert walk.num_accepted.tolist()[0] >= 1
 
     seen = {}

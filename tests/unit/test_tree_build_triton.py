@@ -207,8 +207,17 @@ def check_walk_and_moves(tree, depth: int, gen, target, num_nodes, expected_walk
     positions[node_index.flatten()] = (root_positions[:, None] + tree.depths.gather(1, local_node)).flatten()
     expected_positions = positions.clone()
     chain_positions_(expected_positions, step)
+    # The kernel reads node tokens and choices through the step's indices: scatter them to token / logits rows
+    # (only laid-out nodes: a padded entry aliases the last one). Logits rows in reverse order of the tokens.
+    num_tokens = positions.shape[0]
+    laid = node < laid_out[:, None]  # [R, N]
+    input_ids = torch.full((num_tokens,), -7, dtype=torch.int32, device=device)
+    input_ids[node_index[laid]] = tree.token_ids[laid].to(torch.int32)
+    node_rows = num_tokens - 1 - node_index  # [R, N]
+    choices = torch.full((num_tokens,), -9, dtype=torch.int64, device=device)
+    choices[node_rows[laid]] = target[laid]
     *walk, src, dst, sampled = walk_and_moves_triton_(
-        tree.token_ids, tree.parents, target, num_nodes, depth, node_index, laid_out, positions
+        input_ids, tree.parents, choices, num_nodes, depth, node_index, node_rows, laid_out, positions
     )
     assert torch.equal(positions, expected_positions), (case, positions, expected_positions)
     for name, value in zip(("path_nodes", "num_accepted", "output_token_ids"), walk):

@@ -46,13 +46,13 @@ def compact_accepted_kv_(
     tables: dict | None = None,
 ) -> None:
     for gid, group in groups:
-        slots = slot_mappings[gid].to(torch.int64)
-        src_slots, dst_slots = slots[src], slots[dst]
-        if src.is_cuda and num_reqs and tables is not None:
+        if src.is_cuda and num_reqs and tables is not None:  # one launch; the kernel reads the slots itself
             from vllm_ddtree.kv.triton_compact import compact_kv_triton_
 
             table = _layer_table(group, tables)
-            compact_kv_triton_(table, src_slots.view(num_reqs, -1), dst_slots.view(num_reqs, -1))
+            compact_kv_triton_(table, src.view(num_reqs, -1), dst.view(num_reqs, -1), slot_mappings[gid])
             continue
+        slots = slot_mappings[gid].to(torch.int64)
+        src_slots, dst_slots = slots[src], slots[dst]
         for layer in group:
             paged_kv_for(layer.impl, layer.kv_cache).copy_slots(src_slots, dst_slots)

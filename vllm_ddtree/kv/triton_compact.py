@@ -1,7 +1,8 @@
 """KV compaction on the GPU: the accepted paths' keys and values move in every target layer in one launch.
 
 The layers' caches are separate tensors of one shape; the kernel gets a table of their base addresses and
-copies, per (layer, request), slot src[m] -> slot dst[m] for m = 0, 1, ... in order, in place. Move m writes
+copies, per (layer, request), the slot of scheduled token src[m] -> the slot of token dst[m] for m = 0, 1, ... in
+order, in place (slots read from the step's slot mapping inside the kernel: no gathers on the host). Move m writes
 the slot of node m + 1 and reads the slot of the accepted node at depth m + 1, whose index q is >= m + 1 (parents
 precede children). Node q's slot is written only by move q - 1, which comes after move m when q > m + 1, so
 every slot is read before it is overwritten. Entries with src == dst (nothing to move, padding) are skipped.
@@ -23,8 +24,9 @@ _COPY_TYPE = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 @jit_unspecialized()
 def _compact_kv_kernel(
     LayerBase,  # [L] int64 address of each layer's key at slot 0, head 0
-    SrcSlot,  # [R, M] int64
-    DstSlot,  # [R, M] int64
+    SlotMapping,  # [num_tokens] integer, the KV slot of each scheduled token
+    SrcToken,  # [R, M] int64 scheduled-token index whose KV moves ...
+    DstToken,  # [R, M] int64 ... to this token's slot
     num_moves,  # M
     stride_b,  # element strides of the [num_blocks, block_size, H, D] key view (same in every layer)
     stride_s,
@@ -46,8 +48,8 @@ def _compact_kv_kernel(
     inner = h[:, None].to(tl.int64) * stride_h + d[None, :]  # [BLOCK_H, BLOCK_D]
     row = req.to(tl.int64) * num_moves
     for m in range(num_moves):
-        src = tl.load(SrcSlot + row + m)
-        dst = tl.load(DstSlot + row + m)
+        src = tl.load(SlotMapping + tl.load(SrcToken + row + m)).to(tl.int64)
+        dst = tl.load(SlotMapping + tl.load(DstToken + row + m)).to(tl.int64)
         if src != dst:
             src_at = (src // PAGE) * stride_b + (src % PAGE) * stride_s
             dst_at = (dst // PAGE) * stride_b + (dst % PAGE) * stride_s
@@ -82,15 +84,16 @@ class LayerTable:
 
 def compact_kv_triton_(
     table: LayerTable,
-    src_slots: torch.Tensor,  # [R, M] int64 slot whose KV moves
-    dst_slots: torch.Tensor,  # [R, M] int64 slot it moves to
+    src: torch.Tensor,  # [R, M] int64 scheduled-token index whose KV moves
+    dst: torch.Tensor,  # [R, M] int64 scheduled-token index whose slot it moves to
+    slot_mapping: torch.Tensor,  # [num_tokens] integer, the KV slot of each scheduled token
 ) -> None:
-    num_reqs, num_moves = src_slots.shape
+    num_reqs, num_moves = src.shape
     if num_reqs == 0 or num_moves == 0:
         return
     _, page, num_heads, head_dim = table.shape
     _compact_kv_kernel[(len(table.key_ptrs), num_reqs)](
-        table.base, src_slots.contiguous(), dst_slots.contiguous(), num_moves, *table.strides, table.v_offset,
+        table.base, slot_mapping, src.contiguous(), dst.contiguous(), num_moves, *table.strides, table.v_offset,
         PAGE=page, NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_D=triton.next_power_of_2(head_dim), COPY_TYPE=_COPY_TYPE[table.element_size], num_warps=4,
     )  # fmt: skip

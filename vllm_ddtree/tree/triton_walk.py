@@ -16,11 +16,21 @@ import triton.language as tl
 from vllm_ddtree.triton_jit import jit_unspecialized
 
 
+@triton.jit
+def _target_choice(target_ptr, node_rows_ptr, entry, ok, GATHER: tl.constexpr):
+    """The target's choice at node entry `entry` (= req * N + node) as int64, -1 where not `ok`."""
+    if GATHER:
+        row = tl.load(node_rows_ptr + entry, mask=ok, other=0)
+        return tl.load(target_ptr + row, mask=ok, other=-1).to(tl.int64)
+    return tl.load(target_ptr + entry, mask=ok, other=-1).to(tl.int64)
+
+
 @jit_unspecialized()
 def _walk_kernel(
-    token_ptr,  # [R, N] int64 node tokens
+    token_ptr,  # [R, N] int64 node tokens; GATHER: [num_tokens] the step's input ids, read at node_index
     parent_ptr,  # [R, N] int64, -1 for the root
-    target_ptr,  # [R, N] int64 the target's choice at every node
+    target_ptr,  # [R, N] int64 the target's choice at every node; GATHER: [rows] per logits row, read at node_rows
+    node_rows_ptr,  # [R, N] int64 (GATHER) each node's logits row
     num_nodes_ptr,  # [R] int64 valid nodes per request (a prefix of the node list)
     path_ptr,  # [R, D+1] int64 out: node at each depth of the path, -1 after its end
     num_accepted_ptr,  # [R] int64 out
@@ -37,13 +47,18 @@ def _walk_kernel(
     W,
     BLOCK: tl.constexpr,  # power of two >= N
     MOVES: tl.constexpr,
+    GATHER: tl.constexpr,  # tokens and choices read through node_index / node_rows (needs MOVES)
     BLOCK_D: tl.constexpr,  # power of two >= D + 1
     BLOCK_M: tl.constexpr,  # power of two >= M
 ):
     req = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     valid = cols < tl.load(num_nodes_ptr + req)
-    tokens = tl.load(token_ptr + req * N + cols, mask=valid, other=-1)
+    if GATHER:
+        token_index = tl.load(node_index_ptr + req * N + cols, mask=valid, other=0)
+        tokens = tl.load(token_ptr + token_index, mask=valid, other=-1).to(tl.int64)
+    else:
+        tokens = tl.load(token_ptr + req * N + cols, mask=valid, other=-1)
     parents = tl.load(parent_ptr + req * N + cols, mask=valid, other=-2).to(tl.int32)
     tl.store(path_ptr + req * (D + 1), 0)
     depths = tl.arange(0, BLOCK_D)
@@ -51,7 +66,7 @@ def _walk_kernel(
     node = tl.program_id(0) * 0  # current node (the root), -1 once the walk has ended; int32
     accepted = node
     for depth in range(1, D + 1):
-        choice = tl.load(target_ptr + req * N + node, mask=node >= 0, other=-1)
+        choice = _target_choice(target_ptr, node_rows_ptr, req * N + node, node >= 0, GATHER)
         match = valid & (parents == node) & (tokens == choice) & (node >= 0)
         child = tl.max(tl.where(match, cols, -1), axis=0)  # -1: no child carries the target's choice
         tl.store(path_ptr + req * (D + 1) + depth, child.to(tl.int64))
@@ -63,7 +78,7 @@ def _walk_kernel(
         accepted += (child >= 0).to(tl.int32)
         node = child
     # Every depth accepted: the bonus token is the choice at the deepest node.
-    last = tl.load(target_ptr + req * N + node, mask=node >= 0, other=-1)
+    last = _target_choice(target_ptr, node_rows_ptr, req * N + node, node >= 0, GATHER)
     tl.store(output_ptr + req * (D + 1) + D, last)
     tl.store(num_accepted_ptr + req, accepted.to(tl.int64))
     if MOVES:
@@ -94,35 +109,46 @@ def walk_tree_triton(token_ids, parents, target_token_ids, num_nodes, max_depth:
 
 
 def walk_and_moves_triton_(
-    token_ids, parents, target_token_ids, num_nodes, max_depth: int, node_index, num_laid_out, positions
+    input_ids: torch.Tensor,  # [num_tokens] the step's scheduled tokens
+    parents: torch.Tensor,  # [R, N]
+    node_choices: torch.Tensor,  # [rows] the target's choice at every logits row
+    num_nodes: torch.Tensor,  # [R] nodes the walk may accept
+    max_depth: int,
+    node_index: torch.Tensor,  # [R, N] each node's index among the scheduled tokens
+    node_rows: torch.Tensor,  # [R, N] each node's logits row
+    num_laid_out: torch.Tensor,  # [R] nodes laid out in the step
+    positions: torch.Tensor,  # [num_tokens], put back in chain order
 ):
     """`walk_tree_triton`'s outputs, then the accepted path's moves (src, dst) [R, M] and the sampler output
     [R, N] int32, with `positions` put back in chain order, in the same launch: the GPU path of
-    `verify.scorer.walk_and_moves_`."""
-    return _walk(token_ids, parents, target_token_ids, num_nodes, max_depth, node_index, num_laid_out, positions)
+    `verify.scorer.walk_and_moves_`. Node tokens and choices are read through node_index / node_rows in the kernel
+    (two gathers fewer on the host per step)."""
+    return _walk(input_ids, parents, node_choices, num_nodes, max_depth, node_index, num_laid_out, positions,
+                 node_rows)  # fmt: skip
 
 
 def _walk(
     token_ids, parents, target_token_ids, num_nodes, max_depth: int, node_index=None, num_laid_out=None,
-    positions=None,
+    positions=None, node_rows=None,
 ):
-    num_req, n = token_ids.shape
-    device = token_ids.device
+    num_req, n = parents.shape
+    device = parents.device
     path = torch.empty(num_req, max_depth + 1, dtype=torch.int64, device=device)
     output = torch.empty_like(path)
     num_accepted = torch.empty(num_req, dtype=torch.int64, device=device)
     moves = node_index is not None
+    gather = node_rows is not None
     num_moves = min(max_depth, n - 1)
     src = torch.empty(num_req, num_moves if moves else 0, dtype=torch.int64, device=device)
     dst = torch.empty_like(src)
     sampled = torch.empty(num_req, n if moves else 0, dtype=torch.int32, device=device)
     if num_req:
         _walk_kernel[(num_req,)](
-            token_ids.contiguous(), parents.contiguous(), target_token_ids.contiguous(), num_nodes.contiguous(),
-            path, num_accepted, output,
+            token_ids.contiguous(), parents.contiguous(), target_token_ids.contiguous(),
+            node_rows.contiguous() if gather else path, num_nodes.contiguous(), path, num_accepted, output,
             node_index.contiguous() if moves else path, num_laid_out.contiguous() if moves else num_accepted,
             src, dst, sampled, positions if moves else path, n, max_depth, num_moves, n,
-            BLOCK=triton.next_power_of_2(n), MOVES=moves, BLOCK_D=triton.next_power_of_2(max_depth + 1),
-            BLOCK_M=triton.next_power_of_2(max(num_moves, 1)),
+            BLOCK=triton.next_power_of_2(n), MOVES=moves, GATHER=gather,
+            BLOCK_D=triton.next_power_of_2(max_depth + 1), BLOCK_M=triton.next_power_of_2(max(num_moves, 1)),
         )  # fmt: skip
     return path, num_accepted, output, src, dst, sampled

@@ -34,23 +34,22 @@ def walk_step(
 def walk_and_moves_(
     step: TreeStep,
     node_choices: torch.Tensor,  # [rows] the target's choice at every logits row
-    tokens: torch.Tensor,  # [R, N] the token of every node
+    input_ids: torch.Tensor,  # [num_tokens] the step's scheduled tokens (a node's token: `node_tokens`)
     max_depth: int,
     positions: torch.Tensor,  # [num_tokens] the step's positions (tree order), put back in chain order in place
 ) -> tuple[WalkResult, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     """What the runner needs after the target's choices: the walk, `accepted_path_moves` and the sampler output
     (`sampled_token_ids` as int32, [R, N]); `chain_positions_` is applied to `positions`. On CUDA all of it is
-    one Triton launch."""
-    if use_triton(tokens):
+    one Triton launch, which also reads the nodes' tokens and choices itself."""
+    if use_triton(node_choices):
         from vllm_ddtree.tree.triton_walk import walk_and_moves_triton_
 
-        target = node_choices.to(torch.int64)[step.node_rows]  # [R, N]
         path, num_accepted, output, src, dst, sampled = walk_and_moves_triton_(
-            tokens, step.parents, target, _num_walk_nodes(step), max_depth, step.node_token_index, step.num_nodes,
-            positions,
-        )
+            input_ids, step.parents, node_choices, _num_walk_nodes(step), max_depth, step.node_token_index,
+            step.node_rows, step.num_nodes, positions,
+        )  # fmt: skip
         return WalkResult(path, num_accepted, output), (src.flatten(), dst.flatten()), sampled
-    walk = walk_step(step, node_choices, tokens, max_depth)
+    walk = walk_step(step, node_choices, node_tokens(step, input_ids), max_depth)
     chain_positions_(positions, step)
     return walk, accepted_path_moves(step, walk), sampled_token_ids(walk, step.width).to(torch.int32)
 

@@ -17,7 +17,7 @@ import torch
 from vllm_ddtree.kv.compact import compact_accepted_kv_
 from vllm_ddtree.verify.penalties_v2 import install_tree_penalties
 from vllm_ddtree.verify.sampling import node_requests
-from vllm_ddtree.verify.scorer import node_tokens, walk_and_moves_
+from vllm_ddtree.verify.scorer import walk_and_moves_
 
 
 class TreeVerifier:
@@ -48,8 +48,7 @@ class TreeVerifier:
             sampler.sampling_states.seeds.gpu, pos, use_fp64=sampler.use_fp64_gumbel,
         )  # fmt: skip
         state.timer.mark("target_choices")
-        tokens = node_tokens(step, input_batch.input_ids)  # [R, N]
-        walk, moves, output = walk_and_moves_(step, choices, tokens, state.depth, input_batch.positions)
+        walk, moves, output = walk_and_moves_(step, choices, input_batch.input_ids, state.depth, input_batch.positions)
         state.timer.mark("walk")
         num_reqs = step.parents.shape[0]
         compact_accepted_kv_(
