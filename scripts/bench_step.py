@@ -4,7 +4,8 @@ One engine per method (engine start dominates: ~1-3 min each at this size), reus
 methods run one process each. With dummy weights acceptance is ~0, so every step is one draft + one verification
 of B + 1 tokens per request: the cost the method adds per step. Per-step time = (time to generate 1 + S tokens -
 time to generate 1 token) / steps, steps counted from vLLM's spec-decode metrics (S for no speculation). For
-DDTree a second, profiled pass (VLLM_DDTREE_PROFILE, one sync per step) gives the per-phase breakdown.
+DDTree and the V2 chain (`dflash`) a second, profiled pass (VLLM_DDTREE_PROFILE, one sync per step) gives the
+per-phase breakdown, the chain's with the same phase names where the two share a phase.
 
     python scripts/bench_step.py --methods none,dflash --out /tmp/step.json
     python scripts/bench_step.py --methods ddtree --out /tmp/step.json   # merges into the same file
@@ -229,6 +230,8 @@ def run_method(method: str, target: str, drafter: str, args) -> list[dict]:
 
     start = time.perf_counter()
     spec, max_num_seqs = spec_for(method, drafter, args.budget, args.chain_tokens), max(args.batches)
+    if method == "dflash":  # the chain on Model Runner V2 gets DDTree's phase marks (runner_v2._mark_chain_phases)
+        os.environ["VLLM_DDTREE_PROFILE_CHAIN"] = "1"
     with model_runner_for(method):
         llm = LLM(
             model=target, speculative_config=spec, load_format=args.load_format,
@@ -243,7 +246,7 @@ def run_method(method: str, target: str, drafter: str, args) -> list[dict]:
     for batch in args.batches:
         row = measure(llm, method, batch, args.prompt_len, args.steps, args.repeats, vocab)
         row["engine_init_s"] = init_s
-        if method.startswith("ddtree"):  # per-phase timer (profiling.py)
+        if method.startswith("ddtree") or method == "dflash":  # per-phase timer (profiling.py)
             row["profile"] = profile_pass(llm, batch, args.prompt_len, args.steps, Path(args.out).with_suffix(
                 f".{method}.profile{batch}.json"))  # fmt: skip
         if args.torch_profile:

@@ -15,6 +15,7 @@ V2's own `post_update` then does the rollback (num_computed_tokens += num_sample
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,9 @@ from vllm_ddtree.attention.layers import wrap_target_layers
 from vllm_ddtree.attention.metadata import TreeAttentionMetadataBuilder, dummy_tree_step, tree_attention_builder
 from vllm_ddtree.runner import configure_cuda_graphs, hook
 from vllm_ddtree.verify.step import TreeStep, UniformStepLayouts, build_tree_step, build_uniform_tree_step
+
+
+CHAIN_PROFILE_ENV = "VLLM_DDTREE_PROFILE_CHAIN"
 
 
 @dataclass
@@ -146,9 +150,11 @@ def install_v2_runner_hooks() -> None:
             configure_cuda_graphs(vllm_config.compilation_config, logger)
         original(self, vllm_config, device, *args, **kwargs)
         self._ddtree = None
+        from vllm_ddtree.profiling import step_timer
+
+        self._chain_timer = step_timer(self.device) if _chain_profile_requested(vllm_config, settings) else None
         if settings is None:
             return
-        from vllm_ddtree.profiling import step_timer
 
         self._ddtree = DDTreeV2State(budget=settings["budget"], depth=settings["depth"])
         self._ddtree.timer = step_timer(self.device)
@@ -169,6 +175,8 @@ def install_v2_runner_hooks() -> None:
 
             self.rejection_sampler = TreeVerifier(self.sampler, state, self.speculator)
             _wrap_model_state_prepare_attn(self.model_state, state, self.device)
+        elif self._chain_timer is not None and self.rejection_sampler is not None:
+            _mark_chain_phases(self, self._chain_timer)
         return result
 
     @hook(runner_cls, "initialize_kv_cache")
@@ -193,22 +201,25 @@ def install_v2_runner_hooks() -> None:
         state = self._ddtree
         if state is not None:
             state.step = None  # set again by prepare_attn on real steps with drafts
-            state.timer.end_step()
-            state.timer.mark("start")
+        timer = state.timer if state is not None else self._chain_timer
+        if timer is not None:
+            timer.end_step()
+            timer.mark("start")
         return original(self, *args, **kwargs)
 
     @hook(runner_cls, "prepare_attn")
     def prepare_attn(original, self, input_batch):
         state = self._ddtree
-        if state is None:
+        timer = state.timer if state is not None else self._chain_timer
+        if timer is None:
             return original(self, input_batch)
-        state.timer.mark("vllm_prepare_inputs")
+        timer.mark("vllm_prepare_inputs")
         result = original(self, input_batch)  # slots from chain positions: siblings keep distinct slots
-        state.timer.mark("vllm_slots")
+        timer.mark("vllm_slots")
         num_drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
         if num_drafts is None or input_batch.num_draft_tokens == 0:
-            state.timer.skip_step()  # no verification: not a decode step of the profile
-        else:
+            timer.skip_step()  # no verification: not a decode step of the profile
+        elif state is not None:
             speculator = self.speculator
             if num_drafts.min() == num_drafts.max() > 0:  # the decode steps: nothing from the host
                 state.step = build_uniform_tree_step(
@@ -233,6 +244,46 @@ def install_v2_runner_hooks() -> None:
                 )
             state.timer.mark("tree_layout")
         return result
+
+
+def _chain_profile_requested(vllm_config, settings) -> bool:
+    """`VLLM_DDTREE_PROFILE_CHAIN=1` at engine start, on an engine of vLLM's own DFlash chain (not DDTree)."""
+    spec = vllm_config.speculative_config
+    return (
+        settings is None and spec is not None and getattr(spec, "method", None) == "dflash"
+        and os.environ.get(CHAIN_PROFILE_ENV) == "1"
+    )  # fmt: skip
+
+
+def _mark_chain_phases(runner, timer) -> None:
+    """The chain's decode steps get the phase marks DDTree's get (`VLLM_DDTREE_PROFILE`), so that the two profiles
+    compare phase by phase: vLLM's attention metadata, the target forward, its rejection sampler (in place of
+    DDTree's choices, walk, compaction and output), the output copy, the DFlash pass. Installed only on request
+    (`scripts/bench_step.py` sets `VLLM_DDTREE_PROFILE_CHAIN=1` for `dflash`): a no-op mark costs a call."""
+    model_state, sampler, speculator = runner.model_state, runner.rejection_sampler, runner.speculator
+    prepare_attn, propose = model_state.prepare_attn, speculator.propose
+
+    def prepare_attn_marked(*args, for_capture: bool = False, **kwargs):
+        metadata = prepare_attn(*args, for_capture=for_capture, **kwargs)
+        if not for_capture:
+            timer.mark("vllm_attention_metadata")
+        return metadata
+
+    def rejection_sampler_marked(*args, **kwargs):
+        timer.mark("verify_forward")
+        output = sampler(*args, **kwargs)
+        timer.mark("rejection_sampler")
+        return output
+
+    def propose_marked(*args, **kwargs):
+        timer.mark("vllm_sampler_output")
+        draft_tokens = propose(*args, **kwargs)
+        timer.mark("draft")
+        return draft_tokens
+
+    model_state.prepare_attn = prepare_attn_marked
+    runner.rejection_sampler = rejection_sampler_marked
+    speculator.propose = propose_marked
 
 
 def _wrap_model_state_prepare_attn(model_state, state: DDTreeV2State, device: torch.device) -> None:

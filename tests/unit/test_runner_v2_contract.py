@@ -314,3 +314,37 @@ def test_capture_attaches_trees_to_every_uniform_verification_length():
     assert uniform_verification_nodes(batch([1] * 8), width) is None  # plain decodes
     assert uniform_verification_nodes(batch([6, 6, 3]), width) is None  # mixed
     assert uniform_verification_nodes(batch([32, 32]), width) is None  # a prefill longer than any tree
+
+
+def test_chain_profile_marks_the_phases_ddtree_marks_and_passes_everything_through(monkeypatch):
+    """VLLM_DDTREE_PROFILE_CHAIN=1 (bench_step.py's `dflash` engine): the chain's attention metadata, rejection
+    sampler and DFlash pass are marked with DDTree's phase names, around V2's own calls, whose results come back
+    unchanged; capture-time metadata is not marked. Only vLLM's DFlash engines get it, and only on request."""
+    from vllm_ddtree import runner_v2
+
+    marks = []
+    timer = SimpleNamespace(mark=marks.append)
+    runner = SimpleNamespace(
+        model_state=SimpleNamespace(prepare_attn=lambda batch, for_capture=False: ("metadata", batch, for_capture)),
+        rejection_sampler=lambda logits, batch, draft_logits=None: ("sampled", logits),
+        speculator=SimpleNamespace(propose=lambda *args, **kwargs: "draft tokens"),
+    )
+    runner_v2._mark_chain_phases(runner, timer)
+
+    assert runner.model_state.prepare_attn("b", for_capture=True) == ("metadata", "b", True)
+    assert marks == []
+    assert runner.model_state.prepare_attn("b") == ("metadata", "b", False)
+    assert runner.rejection_sampler("logits", "b", draft_logits=None) == ("sampled", "logits")
+    assert runner.speculator.propose("b", last_sampled=1) == "draft tokens"
+    assert marks == ["vllm_attention_metadata", "verify_forward", "rejection_sampler", "vllm_sampler_output", "draft"]
+
+    def config(method):
+        return SimpleNamespace(speculative_config=None if method is None else SimpleNamespace(method=method))
+
+    monkeypatch.setenv(runner_v2.CHAIN_PROFILE_ENV, "1")
+    assert runner_v2._chain_profile_requested(config("dflash"), None)
+    assert not runner_v2._chain_profile_requested(config("dflash"), {"budget": 15})  # DDTree has its own marks
+    assert not runner_v2._chain_profile_requested(config("eagle3"), None)
+    assert not runner_v2._chain_profile_requested(config(None), None)
+    monkeypatch.delenv(runner_v2.CHAIN_PROFILE_ENV)
+    assert not runner_v2._chain_profile_requested(config("dflash"), None)
