@@ -158,11 +158,12 @@ def bench_compaction(batches, moves, rep_ms):
                   for _ in range(num_layers)]  # fmt: skip
         views = [PagedKV.for_packed(c, hd) for c in caches]
         table = LayerTable([v.keys for v in views], [v.values for v in views])
-        slots = torch.arange(batch * 8 * page, device="cuda").view(batch, -1)[:, : moves + 1]
+        identity = torch.arange(batch * 8 * page, device="cuda")  # slot mapping: token i's slot is i
+        slots = identity.view(batch, -1)[:, : moves + 1]
         dst = slots[:, 1:].contiguous()
         src = torch.flip(dst, dims=[1]).contiguous()  # far moves (worst case: every move copies)
         src = torch.maximum(src, dst)
-        t_triton = triton.testing.do_bench(lambda: compact_kv_triton_(table, src, dst), rep=rep_ms,
+        t_triton = triton.testing.do_bench(lambda: compact_kv_triton_(table, src, dst, identity), rep=rep_ms,
                                            return_mode="median")  # fmt: skip
 
         def torch_loop():

@@ -123,14 +123,16 @@ def profile_pass(llm, batch: int, prompt_len: int, steps: int, path: Path) -> di
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def graph_capture_sizes(spec: dict | None, max_num_seqs: int, drafter: str) -> list[int]:
+def graph_capture_sizes(spec: dict | None, max_num_seqs: int, drafter: str | None) -> list[int]:
     """`benchmark.py`'s capture sizes, so every uniform verification step replays a FULL graph. Powers of two alone
     left a batch-1 step of B = 64 (65 tokens, bucket 128) piecewise with tree attention eager: session 21's batch-1
     profile ran 23 of its 24 DDTree steps so (11 ms a step)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from benchmark import capture_sizes, drafts_by_batch_size
 
-    block_size = json.loads((Path(drafter) / "config.json").read_text())["block_size"]
+    block_size = 0  # no drafter graphs without speculation
+    if spec is not None and drafter is not None:
+        block_size = json.loads((Path(drafter) / "config.json").read_text())["block_size"]
     return capture_sizes(drafts_by_batch_size(spec, max_num_seqs), block_size)
 
 

@@ -283,7 +283,9 @@ def _mark_chain_phases(runner, timer) -> None:
 
     model_state.prepare_attn = prepare_attn_marked
     runner.rejection_sampler = rejection_sampler_marked
-    speculator.propose = propose_marked
+    if not getattr(propose, "_ddtree_marked", False):  # the speculator outlives a second load_model
+        propose_marked._ddtree_marked = True
+        speculator.propose = propose_marked
 
 
 def _wrap_model_state_prepare_attn(model_state, state: DDTreeV2State, device: torch.device) -> None:

@@ -54,3 +54,4 @@ def test_every_verification_step_of_the_profile_gets_a_full_graph_size(tmp_path)
     chain = bench.graph_capture_sizes(bench.spec_for("dflash", str(drafter), 64, chain_tokens=15), 1, str(drafter))
     assert 16 in chain
     assert bench.graph_capture_sizes(None, 8, str(drafter))  # no speculation: powers of two for prefills
+    assert bench.graph_capture_sizes(None, 8, None) == bench.graph_capture_sizes(None, 8, str(drafter))

@@ -337,6 +337,10 @@ def test_chain_profile_marks_the_phases_ddtree_marks_and_passes_everything_throu
     assert runner.rejection_sampler("logits", "b", draft_logits=None) == ("sampled", "logits")
     assert runner.speculator.propose("b", last_sampled=1) == "draft tokens"
     assert marks == ["vllm_attention_metadata", "verify_forward", "rejection_sampler", "vllm_sampler_output", "draft"]
+    runner_v2._mark_chain_phases(runner, timer)  # a second load_model: the speculator (kept) is not marked twice
+    marks.clear()
+    runner.speculator.propose("b")
+    assert marks == ["vllm_sampler_output", "draft"]
 
     def config(method):
         return SimpleNamespace(speculative_config=None if method is None else SimpleNamespace(method=method))

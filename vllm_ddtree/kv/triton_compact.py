@@ -93,7 +93,8 @@ def compact_kv_triton_(
         return
     _, page, num_heads, head_dim = table.shape
     _compact_kv_kernel[(len(table.key_ptrs), num_reqs)](
-        table.base, slot_mapping, src.contiguous(), dst.contiguous(), num_moves, *table.strides, table.v_offset,
+        table.base, slot_mapping.contiguous(), src.contiguous(), dst.contiguous(), num_moves, *table.strides,
+        table.v_offset,
         PAGE=page, NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads),
         BLOCK_D=triton.next_power_of_2(head_dim), COPY_TYPE=_COPY_TYPE[table.element_size], num_warps=4,
     )  # fmt: skip
