@@ -35,7 +35,7 @@ def test_requests_in_flight_stay_at_the_batch_size_and_answers_match_generate(pr
         engine.step = step
         once = bench.measure(llm, [{"prompt_token_ids": p} for p in prompts[:7]], 3, 0.0, 24, 1, True)
         repeated = bench.measure(llm, [{"prompt_token_ids": p} for p in prompts[:7]], 3, 0.0, 24, 1, True,
-                                 min_seconds=1.5 * once["seconds"])  # fmt: skip
+                                 min_seconds=4 * once["seconds"])  # fmt: skip (CI ran a 1.5x pass in one, session 21)
     finally:
         close(llm)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
