@@ -140,7 +140,7 @@ def measure(
 ) -> dict:
     """Generate for ``prompts`` with ``batch`` requests running at a time (`generate_at_concurrency`); time it. The
     same prompts run again (same seeds, so the same answers) until ``min_seconds`` have passed: session 21's rows of
-    0.5-1 s at batches 16 and 64 moved by up to 38% between two machines, against 7-28% for the longer rows."""
+    0.5-1.3 s (batches 16 and 64) differed by up to 43% between two runs."""
     from vllm import SamplingParams
 
     params = SamplingParams(
