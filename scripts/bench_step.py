@@ -292,6 +292,35 @@ def print_table(rows: list[dict]) -> None:
             print(f"{r['method']} batch {r['batch']} kernels per step: all {kernels['all_kernels_us']:.0f} us, DDTree "
                   f"bookkeeping {kernels['bookkeeping_us']:.1f} us = {share:.2f}% of the {r['step_ms_median']:.2f} ms "
                   f"step ({kernels['bookkeeping_kernels_us']})")
+    for kind in ("host_ms", "gpu_ms"):
+        table = phase_table(rows, kind)
+        if table:
+            print(table)
+
+
+def phase_table(rows: list[dict], kind: str = "host_ms") -> str:
+    """Markdown: per batch size, each profiled method's ms per phase side by side (`kind`: host_ms or gpu_ms),
+    phases in step order, "-" where a method has no such phase (the chain has no tree layout, DDTree no rejection
+    sampler), and the step's total: where a DDTree step's extra time goes against the chain's."""
+    lines = []
+    for batch in sorted({r["batch"] for r in rows}):
+        profiled = [r for r in rows if r["batch"] == batch and r.get("profile", {}).get(kind)]
+        if len(profiled) < 2:
+            continue
+        phases: list[str] = []  # each method's phases in its order, a new one before the next known one
+        for r in profiled:
+            names = list(r["profile"][kind])
+            for i, name in enumerate(names):
+                if name not in phases:
+                    after = next((phases.index(n) for n in names[i + 1 :] if n in phases), len(phases))
+                    phases.insert(after, name)
+        lines += [f"\nbatch {batch}, {kind} per step:", "| phase | " + " | ".join(r["method"] for r in profiled) + " |",
+                  "| --- " + "| ---: " * len(profiled) + "|"]  # fmt: skip
+        for name in phases + ["total"]:
+            values = [sum(r["profile"][kind].values()) if name == "total" else r["profile"][kind].get(name)
+                      for r in profiled]  # fmt: skip
+            lines.append(f"| {name} | " + " | ".join("-" if v is None else f"{v:.3f}" for v in values) + " |")
+    return "\n".join(lines)
 
 
 def argv_with_methods(argv: list[str], method: str) -> list[str]:

@@ -55,3 +55,24 @@ def test_every_verification_step_of_the_profile_gets_a_full_graph_size(tmp_path)
     assert 16 in chain
     assert bench.graph_capture_sizes(None, 8, str(drafter))  # no speculation: powers of two for prefills
     assert bench.graph_capture_sizes(None, 8, None) == bench.graph_capture_sizes(None, 8, str(drafter))
+
+
+def test_phase_table_puts_the_methods_phases_side_by_side_in_step_order():
+    bench = load_bench_step()
+    rows = [
+        {"method": "ddtree", "batch": 4, "profile": {"host_ms": {"vllm_prepare_inputs": 0.5, "tree_layout": 0.1,
+                                                                 "draft": 1.0}}},
+        {"method": "dflash", "batch": 4, "profile": {"host_ms": {"vllm_prepare_inputs": 0.4,
+                                                                 "rejection_sampler": 0.3, "draft": 0.9}}},
+        {"method": "ddtree", "batch": 1, "profile": {"host_ms": {"draft": 1.0}}},  # no chain at batch 1: no table
+    ]  # fmt: skip
+    lines = bench.phase_table(rows).splitlines()
+    assert lines[1:3] == ["batch 4, host_ms per step:", "| phase | ddtree | dflash |"]
+    assert lines[4:] == [
+        "| vllm_prepare_inputs | 0.500 | 0.400 |",
+        "| tree_layout | 0.100 | - |",
+        "| rejection_sampler | - | 0.300 |",
+        "| draft | 1.000 | 0.900 |",
+        "| total | 1.600 | 1.600 |",
+    ]
+    assert bench.phase_table(rows, "gpu_ms") == ""
