@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import statistics
 import time
 from pathlib import Path
 
@@ -160,15 +161,78 @@ def measure(
     accepted = after.get(SPEC_COUNTERS[1], 0) - before.get(SPEC_COUNTERS[1], 0)
     per_pos = [a - b for a, b in zip(after.get(PER_POS, []), before.get(PER_POS, [0] * len(after.get(PER_POS, []))))]
     return {
-        "output_tokens": tokens,
+        **speed_and_acceptance(tokens, seconds, batch, drafts, accepted, per_pos),
         "passes": passes,
+        "token_ids": [list(o.outputs[0].token_ids) for o in outputs],  # [prompts][tokens], the first pass
+    }
+
+
+def speed_and_acceptance(tokens: int, seconds: float, batch: int, drafts: float, accepted: float,
+                         per_pos: list[float]) -> dict:  # fmt: skip
+    """A row's figures from its totals (kept in the row, so that rounds of one row add up: `combine_rounds`)."""
+    return {
+        "output_tokens": tokens,
         "seconds": seconds,
         "output_tokens_per_s": tokens / seconds,
         "ms_per_output_token": 1000 * seconds * batch / tokens,  # per request: `batch` requests run together
+        "drafts": drafts,
+        "accepted": accepted,
+        "accepted_per_pos": per_pos,
         "acceptance_length": 1 + accepted / drafts if drafts else None,
         "acceptance_per_depth": [round(x / drafts, 4) for x in per_pos] if drafts else None,
-        "token_ids": [list(o.outputs[0].token_ids) for o in outputs],  # [prompts][tokens], the first pass
     }
+
+
+def rotated(items: list, shift: int) -> list:
+    """`items` starting at index `shift` (mod its length): each round of an interleaved run starts with another
+    method, so no method always runs first or right after the same one."""
+    shift %= max(len(items), 1)
+    return items[shift:] + items[:shift]
+
+
+def combine_rounds(rows: list[dict]) -> list[dict]:
+    """One row per (method, temperature, batch) from the rows of every round: tokens, seconds and spec-decode counts
+    added up (tok/s = all tokens / all seconds), the rounds' own tok/s kept as `round_tokens_per_s`."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["method"], r["temperature"], r["batch"]), []).append(r)
+    combined = []
+    for group in groups.values():
+        first = group[0]
+        if len(group) == 1:  # also the rows of results.json files from before the rounds (no raw counts)
+            combined.append({**{k: v for k, v in first.items() if k != "round"}, "rounds": 1,
+                             "round_tokens_per_s": [first["output_tokens_per_s"]]})  # fmt: skip
+            continue
+        per_pos = [sum(values) for values in zip(*(r["accepted_per_pos"] for r in group))]
+        totals = speed_and_acceptance(
+            sum(r["output_tokens"] for r in group), sum(r["seconds"] for r in group), first["batch"],
+            sum(r["drafts"] for r in group), sum(r["accepted"] for r in group), per_pos,
+        )  # fmt: skip
+        combined.append({**{k: v for k, v in first.items() if k != "round"}, **totals,
+                         "passes": sum(r["passes"] for r in group), "rounds": len(group),
+                         "round_tokens_per_s": [r["output_tokens_per_s"] for r in group]})  # fmt: skip
+    return combined
+
+
+def round_ratios(rows: list[dict], baselines: tuple[str, ...] = ("dflash", "none")) -> str:
+    """Markdown: per temperature and batch, each method's tok/s over each baseline's (the chain, no speculation)
+    within every round, where the two ran minutes apart at most: the median and the range over the rounds. The
+    device machines' host speed drifted by up to 2x between engines run one after the other (session 22), so
+    only ratios taken within a round are trusted."""
+    speed = {(r["method"], r["temperature"], r["batch"], r.get("round", 0)): r["output_tokens_per_s"] for r in rows}
+    present = [b for b in baselines if any(m == b for m, *_ in speed)]
+    lines = ["| method | temperature | batch | " + " | ".join(f"vs {b}: median (range)" for b in present) + " |",
+             "| --- | --- | --- |" + " --- |" * len(present)]  # fmt: skip
+    for method in dict.fromkeys(m for m, *_ in speed if m not in baselines):
+        for temperature, batch in sorted({(t, b) for m, t, b, _ in speed if m == method}):
+            cells = []
+            for base in present:
+                ratios = sorted(v / speed[base, t, b, n] for (m, t, b, n), v in speed.items()
+                                if (m, t, b) == (method, temperature, batch) and (base, t, b, n) in speed)  # fmt: skip
+                cells.append(f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}, {len(ratios)} "
+                             "rounds)" if ratios else "-")  # fmt: skip
+            lines.append(f"| {method} | {temperature} | {batch} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) if present and len(lines) > 2 else ""
 
 
 def fastest_by_batch(rows: list[dict]) -> str:
@@ -321,9 +385,8 @@ def load_prompts(args, tokenizer) -> list:
 
 def main() -> None:
     from tqdm import tqdm
-    from vllm import LLM
 
-    from vllm_ddtree.compat import method_without_runner, model_runner_for, shutdown_llm
+    from vllm_ddtree.compat import method_without_runner, shutdown_llm
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", help="Hugging Face folder of the target (required unless --plot-from)")
@@ -349,7 +412,12 @@ def main() -> None:
                         help="prompts per measurement at least, `batch` of them in flight at a time")
     parser.add_argument("--min-row-seconds", type=float, default=0.0,
                         help="run a measurement's prompts again (the same answers) until this long has passed")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                        help="for each engine; with --interleave, for all of them together (an equal share each)")
+    parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                        help="start every method's engine at once and measure each row for all methods in turn, "
+                             "ROUNDS times (see run_interleaved); needs engine-core processes "
+                             "(VLLM_ENABLE_V1_MULTIPROCESSING unset or 1)")
     parser.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None,
                         help="token counts CUDA graphs are captured for (default: every request count's decode step "
                              "of each method, and powers of two; see capture_sizes)")
@@ -359,16 +427,20 @@ def main() -> None:
     parser.add_argument("--out", default="bench-out")
     args = parser.parse_args()
     if args.plot_from:
-        rows = [r for path in args.plot_from for r in json.loads(Path(path).read_text())["rows"]]
+        saved = [json.loads(Path(path).read_text()) for path in args.plot_from]
+        rows = [r for results in saved for r in results.get("round_rows", results["rows"])]
         greedy = [Path(path).with_name(GREEDY_TOKENS) for path in args.plot_from]
         greedy_tokens = {k: v for path in greedy if path.is_file() for k, v in json.loads(path.read_text()).items()}
         Path(args.out).mkdir(parents=True, exist_ok=True)
         write_results(Path(args.out), args, rows, greedy_tokens)
-        print(markdown_table(rows))
-        plot(rows, Path(args.out))
+        print(markdown_table(combine_rounds(rows)))
+        plot(combine_rounds(rows), Path(args.out))
         return
     if not args.target:
         parser.error("--target is required (or --plot-from)")
+    if args.interleave and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
+        parser.error("--interleave keeps several engines at once, each in its own engine-core process: unset "
+                     "VLLM_ENABLE_V1_MULTIPROCESSING=0 (in-process engines share one CUDA-graph pool)")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -381,75 +453,138 @@ def main() -> None:
             parser.error(f"unknown --methods {unknown}; known: {list(by_name)} with an optional -v2 suffix for "
                          "DDTree on Model Runner V2 (budgets come from --budgets)")
         plan = [(m, by_name.get(m, by_name.get(method_without_runner(m)))) for m in args.methods]
-    rows: list[dict] = []
+    rows: list[dict] = []  # one per (method, temperature, batch, round)
     greedy_tokens: dict[str, list[list[int]]] = {}  # T = 0 answers by greedy_key, for `greedy_agreement`
     if args.resume and (out / "results.json").is_file():
-        rows = json.loads((out / "results.json").read_text())["rows"]
+        saved = json.loads((out / "results.json").read_text())
+        rows = saved.get("round_rows", saved["rows"])
         if (out / GREEDY_TOKENS).is_file():
             greedy_tokens = json.loads((out / GREEDY_TOKENS).read_text())
         plan = [m for m in plan if m[0] not in {r["method"] for r in rows}]
-    prompts = None
-    progress = tqdm(total=len(plan) * len(args.temperatures) * len(args.batch_sizes), desc="benchmark")
-    for name, spec in plan:
-        start = time.perf_counter()
-        # At least 16: vLLM 0.26's Model Runner V2 (no speculation, the chain) hit an illegal memory access in
-        # CUDA-graph capture with max_num_seqs = 1 (H200, 2026-11-30); 16 ran in session 12.
-        max_num_seqs = max(*args.batch_sizes, 16)
-        draft_slots = (spec["num_speculative_tokens"] + 2) if spec else 0
-        drafts = drafts_by_batch_size(spec, max_num_seqs)
-        graph_sizes = args.cudagraph_capture_sizes or capture_sizes(drafts, block_size)
-        with model_runner_for(name):
-            llm = LLM(
-                model=args.target, speculative_config=spec, dtype=args.dtype, max_model_len=args.max_model_len,
-                load_format=args.load_format, enforce_eager=args.eager, disable_log_stats=False,
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=8192 + max_num_seqs * draft_slots,
-                gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
-                skip_tokenizer_init=args.load_format == "dummy",
-                compilation_config=None if args.eager else {"cudagraph_capture_sizes": graph_sizes},
-            )
-        init_s = time.perf_counter() - start
-        if prompts is None:
-            prompts = load_prompts(args, llm.get_tokenizer() if args.load_format != "dummy" else None)
-        # Warm-up at every measured batch size and temperature, and at every request count up to the largest (a
-        # batch shrinks through all of them as answers end at EOS): first-time work (Triton compiles for a new
-        # shape, lazily built sampling paths) must not land in the timed runs (seen on the H200 in session 12:
-        # DDTree B=16 at T=0, batch 16, the first batch-16 run, took 1.7x longer than at T=1; session 18: vLLM's
-        # JIT monitor saw DDTree's kernels compile after the engine's own warm-up).
-        for temperature in args.temperatures:
-            for batch in args.batch_sizes:
-                measure(llm, prompts[:batch], batch, temperature, 32, seed=0)
-            for count in range(1, max(args.batch_sizes) + 1):
-                measure(llm, prompts[:count], count, temperature, 8, seed=0)
-        for temperature in args.temperatures:
-            for batch in args.batch_sizes:
-                group = prompts[: max(batch, args.min_prompts)]
-                result = measure(llm, group, batch, temperature, args.max_tokens, 1, not args.stop_at_eos,
-                                 args.min_row_seconds)
-                token_ids = result.pop("token_ids")
-                if temperature == 0:
-                    greedy_tokens[greedy_key(name, batch)] = token_ids
-                rows.append({"method": name, "temperature": temperature, "batch": batch, "prompts": len(group),
-                             "init_s": init_s, **result})
-                progress.update()
-                progress.set_postfix(method=name, T=temperature, batch=batch,
-                                     tok_s=round(result["output_tokens_per_s"], 1))
-        shutdown_llm(llm)  # its GPU memory goes back before the next method's engine starts
-        del llm
-        write_results(out, args, rows, greedy_tokens)  # after every method: a run cut short keeps what it measured
+    rounds = max(args.interleave, 1)
+    progress = tqdm(total=len(plan) * len(args.temperatures) * len(args.batch_sizes) * rounds, desc="benchmark")
+    if args.interleave:
+        run_interleaved(plan, args, block_size, out, rows, greedy_tokens, progress)
+    else:
+        prompts = None
+        for name, spec in plan:
+            llm, init_s = start_engine(name, spec, args, block_size, args.gpu_memory_utilization)
+            prompts = prompts or load_prompts(args, llm.get_tokenizer() if args.load_format != "dummy" else None)
+            warm_up(llm, prompts, args)
+            for temperature in args.temperatures:
+                for batch in args.batch_sizes:
+                    rows.append(measure_row(llm, name, init_s, prompts, temperature, batch, args, greedy_tokens))
+                    show_progress(progress, rows[-1])
+            shutdown_llm(llm)  # its GPU memory goes back before the next method's engine starts
+            del llm
+            write_results(out, args, rows, greedy_tokens)  # after every method: a run cut short keeps what it measured
     progress.close()
-    print(markdown_table(rows))
-    print(greedy_agreement(rows, greedy_tokens))
-    plot(rows, out)
+    print(markdown_table(combine_rounds(rows)))
+    print(greedy_agreement(combine_rounds(rows), greedy_tokens))
+    if args.interleave:
+        print(round_ratios(rows))
+    plot(combine_rounds(rows), out)
+
+
+def start_engine(name: str, spec: dict | None, args, block_size: int, memory_utilization: float):
+    """(LLM, seconds it took to start) for one method, with the run's engine settings."""
+    from vllm import LLM
+
+    from vllm_ddtree.compat import model_runner_for
+
+    start = time.perf_counter()
+    # At least 16: vLLM 0.26's Model Runner V2 (no speculation, the chain) hit an illegal memory access in
+    # CUDA-graph capture with max_num_seqs = 1 (H200, 2026-11-30); 16 ran in session 12.
+    max_num_seqs = max(*args.batch_sizes, 16)
+    draft_slots = (spec["num_speculative_tokens"] + 2) if spec else 0
+    drafts = drafts_by_batch_size(spec, max_num_seqs)
+    graph_sizes = args.cudagraph_capture_sizes or capture_sizes(drafts, block_size)
+    with model_runner_for(name):
+        llm = LLM(
+            model=args.target, speculative_config=spec, dtype=args.dtype, max_model_len=args.max_model_len,
+            load_format=args.load_format, enforce_eager=args.eager, disable_log_stats=False,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=8192 + max_num_seqs * draft_slots,
+            gpu_memory_utilization=memory_utilization, seed=0,
+            skip_tokenizer_init=args.load_format == "dummy",
+            compilation_config=None if args.eager else {"cudagraph_capture_sizes": graph_sizes},
+        )
+    return llm, time.perf_counter() - start
+
+
+def warm_up(llm, prompts: list, args) -> None:
+    """Warm-up at every measured batch size and temperature, and at every request count up to the largest (a batch
+    shrinks through all of them as answers end at EOS): first-time work (Triton compiles for a new shape, lazily
+    built sampling paths) must not land in the timed runs (seen on the H200 in session 12: DDTree B=16 at T=0,
+    batch 16, the first batch-16 run, took 1.7x longer than at T=1; session 18: vLLM's JIT monitor saw DDTree's
+    kernels compile after the engine's own warm-up)."""
+    for temperature in args.temperatures:
+        for batch in args.batch_sizes:
+            measure(llm, prompts[:batch], batch, temperature, 32, seed=0)
+        for count in range(1, max(args.batch_sizes) + 1):
+            measure(llm, prompts[:count], count, temperature, 8, seed=0)
+
+
+def measure_row(llm, name: str, init_s: float, prompts: list, temperature: float, batch: int, args,
+                greedy_tokens: dict, round_index: int = 0) -> dict:  # fmt: skip
+    """One row: `batch` requests in flight over at least --min-prompts prompts (`measure`); the T = 0 answers of
+    the first round go into `greedy_tokens`."""
+    group = prompts[: max(batch, args.min_prompts)]
+    result = measure(llm, group, batch, temperature, args.max_tokens, 1, not args.stop_at_eos, args.min_row_seconds)
+    token_ids = result.pop("token_ids")
+    if temperature == 0 and round_index == 0:
+        greedy_tokens[greedy_key(name, batch)] = token_ids
+    return {"method": name, "temperature": temperature, "batch": batch, "prompts": len(group), "init_s": init_s,
+            "round": round_index, **result}  # fmt: skip
+
+
+def show_progress(progress, row: dict) -> None:
+    progress.update()
+    progress.set_postfix(method=row["method"], T=row["temperature"], batch=row["batch"],
+                         tok_s=round(row["output_tokens_per_s"], 1))  # fmt: skip
+
+
+def run_interleaved(plan: list, args, block_size: int, out: Path, rows: list, greedy_tokens: dict, progress) -> None:
+    """--interleave ROUNDS: every method's engine is started first (each in its own engine-core process, with an
+    equal share of --gpu-memory-utilization), then each round measures every (temperature, batch) row for all
+    methods one after the other, the methods' order rotated from round to round. Methods are then compared within
+    minutes of each other, not one engine's lifetime apart: on the H200 machines the host ran one engine's whole
+    profile at half the speed of the engine before it (session 22), which no later engine could undo."""
+    from vllm_ddtree.compat import shutdown_llm
+
+    engines = []
+    for name, spec in plan:
+        llm, init_s = start_engine(name, spec, args, block_size, args.gpu_memory_utilization / len(plan))
+        engines.append((name, llm, init_s))
+    try:
+        prompts = load_prompts(args, engines[0][1].get_tokenizer() if args.load_format != "dummy" else None)
+        for _, llm, _ in engines:
+            warm_up(llm, prompts, args)
+        for round_index in range(args.interleave):
+            for temperature in args.temperatures:
+                for batch in args.batch_sizes:
+                    for name, llm, init_s in rotated(engines, round_index):
+                        rows.append(measure_row(llm, name, init_s, prompts, temperature, batch, args, greedy_tokens,
+                                                round_index))  # fmt: skip
+                        show_progress(progress, rows[-1])
+            write_results(out, args, rows, greedy_tokens)  # after every round: a run cut short keeps what it measured
+    finally:
+        for _, llm, _ in engines:
+            shutdown_llm(llm)
 
 
 GREEDY_TOKENS = "greedy_tokens.json"
 
 
-def write_results(out: Path, args, rows: list[dict], greedy_tokens: dict | None = None) -> None:
+def write_results(out: Path, args, round_rows: list[dict], greedy_tokens: dict | None = None) -> None:
+    """results.json (`rows`: one per method, temperature and batch, its rounds combined; `round_rows`: as measured),
+    table.md (with each round's ratios to the chain when the run had rounds), greedy_tokens.json."""
     switches = {k: v for k, v in os.environ.items() if k.startswith("VLLM_DDTREE_")}  # e.g. VLLM_DDTREE_BACKEND_ROWS
     setup = {**vars(args), "environment": switches}
-    (out / "results.json").write_text(json.dumps({"setup": setup, "rows": rows}, indent=2))
+    rows = combine_rounds(round_rows)
+    (out / "results.json").write_text(json.dumps({"setup": setup, "rows": rows, "round_rows": round_rows}, indent=2))
     table = markdown_table(rows) + "\n"
+    ratios = round_ratios(round_rows) if any(r.get("round", 0) for r in round_rows) else ""
+    table += f"\nWithin each round, tok/s over the baselines':\n\n{ratios}\n" if ratios else ""
     fastest = fastest_by_batch(rows)
     table += f"\nFastest per temperature and batch:\n\n{fastest}\n" if fastest else ""
     schedules = suggested_schedules(rows)

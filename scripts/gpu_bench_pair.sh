@@ -8,6 +8,9 @@
 # brings back what it measured: session 13 lost a whole call's rows to a copy that came after the limit).
 # EAGER=1: no CUDA graphs or torch.compile (engines start in seconds): for acceptance lengths, not for speed.
 # ROW_S (default 3): a row's prompts run again until this many seconds have passed (benchmark.py --min-row-seconds).
+# ROUNDS=N: every method's engine starts first, then each row runs for all methods in turn, N times (benchmark.py
+# --interleave; GPU memory split between the engines): ratios taken within a round (table.md) do not depend on how
+# fast the host ran while one engine lived (session 22: 2x between two engines of one call).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -19,7 +22,7 @@ mkdir -p "$pair" "$OUT/pair" && cp "$pair"/* "$OUT/pair/" 2>/dev/null
 timeout "${BENCH_S:-540}" python scripts/benchmark.py --target /tmp/smollm2 --drafter "$drafter" \
   --budgets 8 16 32 64 128 --batch-sizes ${BATCHES:-1 4 16 64} --temperatures 0 1 --max-tokens 256 --stop-at-eos \
   --min-prompts 16 --min-row-seconds "${ROW_S:-3}" --out "$OUT/pair" --resume ${SCHEDULES:+--schedules $SCHEDULES} ${METHODS:+--methods $METHODS} \
-  ${EAGER:+--eager} \
+  ${EAGER:+--eager} ${ROUNDS:+--interleave $ROUNDS --gpu-memory-utilization 0.8} \
   > "$OUT/bench_pair.log" 2>&1
 echo "bench rc=$?"
 cp "$OUT"/pair/* "$pair"/ 2>/dev/null

@@ -1,13 +1,20 @@
 """scripts/benchmark.py runs a row's prompts with `batch` requests in flight (continuous batching), on the real engine:
 every prompt's answer comes back in prompt order, identical to `LLM.generate`'s, and the engine never holds more
-than `batch` requests while it keeps that many running until the prompts run out."""
+than `batch` requests while it keeps that many running until the prompts run out. With --interleave its engines
+run side by side (each in its own process) and take turns, row by row."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from tests.e2e.engine import close, make_llm
-from tests.e2e.test_tiny_pair_ddtree import ENGINE, TARGET, ddtree, greedy, prompts  # noqa: F401 (fixture)
+from tests.e2e.test_tiny_pair_ddtree import DRAFTER, ENGINE, TARGET, ddtree, greedy, prompts  # noqa: F401 (fixture)
 from tests.unit.test_benchmark_script import load_benchmark
 
 pytestmark = pytest.mark.slow
@@ -48,3 +55,36 @@ def test_requests_in_flight_stay_at_the_batch_size_and_answers_match_generate(pr
     assert repeated["passes"] >= 2 and repeated["output_tokens"] == repeated["passes"] * 7 * 24
     assert repeated["token_ids"] == once["token_ids"]
     assert repeated["acceptance_length"] == pytest.approx(once["acceptance_length"])
+
+
+def test_interleaved_rounds_run_every_method_in_turn_on_engines_started_together(tmp_path):
+    """`benchmark.py --interleave 2` on the real engine, each method's engine in its own engine-core process (as on
+    the GPU): every row is measured once per round, the methods' order turns between rounds, the greedy answers of
+    DDTree equal no speculation's (float32), and the combined rows are the rounds' totals."""
+    repo = Path(__file__).resolve().parents[2]
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["copy: abc =", "count from five to nine:", "3 days from friday:", "spell dog:"]))
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")])
+    out = tmp_path / "out"
+    command = [sys.executable, str(repo / "scripts/benchmark.py"), "--target", TARGET, "--drafter", DRAFTER,
+               "--dtype", "float32", "--eager", "--methods", "none", "ddtree-B5", "--budgets", "5",
+               "--batch-sizes", "2", "--temperatures", "0", "1", "--max-tokens", "12", "--min-prompts", "4",
+               "--max-model-len", "512", "--prompts-file", str(prompts), "--interleave", "2", "--out", str(out)]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    order = [(r["round"], r["temperature"], r["method"]) for r in results["round_rows"]]
+    assert order == [(0, 0.0, "none"), (0, 0.0, "ddtree-B5"), (0, 1.0, "none"), (0, 1.0, "ddtree-B5"),
+                     (1, 0.0, "ddtree-B5"), (1, 0.0, "none"), (1, 1.0, "ddtree-B5"), (1, 1.0, "none")]
+    for row in results["rows"]:
+        key = (row["method"], row["temperature"])
+        rounds = [r for r in results["round_rows"] if (r["method"], r["temperature"]) == key]
+        assert row["rounds"] == 2 and row["output_tokens"] == sum(r["output_tokens"] for r in rounds) >= 2 * 4 * 12
+        assert row["output_tokens_per_s"] == pytest.approx(row["output_tokens"] / sum(r["seconds"] for r in rounds))
+        if row["method"] == "ddtree-B5":
+            assert row["acceptance_length"] > 1
+    greedy = json.loads((out / "greedy_tokens.json").read_text())
+    assert greedy["ddtree-B5|batch2"] == greedy["none|batch2"]
+    table = (out / "table.md").read_text()
+    assert "Within each round" in table and "| ddtree-B5 | 0.0 | 2 |" in table

@@ -117,3 +117,33 @@ def test_suggested_schedule_takes_the_fastest_fixed_budget_per_batch_range():
     schedule = bench.parse_schedule("1-8:64,9-64:16")  # the --schedules form reads back as the same schedule
     assert schedule == [[1, 8, 64], [9, 64, 16]]
     assert bench.suggested_schedules([r for r in rows if r["method"] == "dflash"]) == ""
+
+
+def test_rounds_of_a_row_add_up_and_their_ratios_are_taken_within_each_round():
+    """--interleave: a row measured in several rounds reports all its tokens over all its seconds and its summed
+    spec-decode counts; the ratio table divides by the baseline of the same round only (the host's speed drifts
+    between rounds), and the methods' order turns from round to round."""
+    bench = load_benchmark()
+
+    def row(method, n, tokens, seconds, drafts=0, accepted=0, per_pos=()):
+        return {"method": method, "temperature": 0.0, "batch": 4, "round": n, "passes": 1, "prompts": 16,
+                **bench.speed_and_acceptance(tokens, seconds, 4, drafts, accepted, list(per_pos))}
+
+    rows = [row("dflash", 0, 1000, 1.0, 100, 150, [80, 70]), row("ddtree-B16", 0, 1200, 1.0, 80, 200, [70, 130]),
+            row("dflash", 1, 1000, 2.0, 100, 150, [80, 70]), row("ddtree-B16", 1, 1000, 1.0, 70, 210, [60, 150]),
+            row("dflash", 2, 1000, 1.0, 100, 150, [80, 70]), row("ddtree-B16", 2, 1100, 1.0, 75, 200, [65, 135])]
+    tree = next(r for r in bench.combine_rounds(rows) if r["method"] == "ddtree-B16")
+    assert tree["rounds"] == 3 and tree["passes"] == 3 and "round" not in tree
+    assert tree["output_tokens_per_s"] == 3300 / 3.0 and tree["round_tokens_per_s"] == [1200, 1000, 1100]
+    assert tree["acceptance_length"] == 1 + 610 / 225
+    assert tree["acceptance_per_depth"] == [round(195 / 225, 4), round(415 / 225, 4)]
+    chain = next(r for r in bench.combine_rounds(rows) if r["method"] == "dflash")
+    assert chain["output_tokens_per_s"] == 3000 / 4.0
+    # Within rounds: 1.2, 2.0 (the chain's slow round 1 against DDTree's own round 1), 1.1 -> median 1.2.
+    assert bench.round_ratios(rows).splitlines()[2:] == ["| ddtree-B16 | 0.0 | 4 | 1.20x (1.10-2.00, 3 rounds) |"]
+    assert bench.round_ratios([r for r in rows if r["method"] != "dflash"]) == ""  # no baseline: no table
+    assert bench.rotated(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert bench.rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
+    single = bench.combine_rounds([{"method": "none", "temperature": 1.0, "batch": 1, "output_tokens_per_s": 9.0}])
+    assert single == [{"method": "none", "temperature": 1.0, "batch": 1, "output_tokens_per_s": 9.0, "rounds": 1,
+                       "round_tokens_per_s": [9.0]}]  # a results.json row from before the rounds
