@@ -177,6 +177,32 @@ def torch_profile(llm, batch: int, prompt_len: int, steps: int, vocab: int, path
     return kernel_times_per_step(averages, steps)
 
 
+def python_profile(run, steps: int, path: Path) -> dict:
+    """cProfile over `run()` (one run of `steps` decode steps, the engine in this process): the functions with the
+    most own time and the most cumulative time, as text in `path`. Returns the own (tottime) milliseconds per step
+    of the plugin's functions (files under vllm_ddtree/), of vLLM's and of all, under cProfile (which inflates
+    Python time): where a step's host time goes that the torch profiler's op table does not show (session 22: the
+    chain's and DDTree's ops took the same host time, but DDTree's steps ~0.45 ms more)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(run)
+    stats = pstats.Stats(profiler)
+    own_ms: dict[str, float] = {"vllm_ddtree": 0.0, "vllm": 0.0, "all": 0.0}
+    for (filename, _, _), (_, _, tottime, _, _) in stats.stats.items():
+        part = "vllm_ddtree" if "vllm_ddtree" in filename else "vllm" if "/vllm/" in filename else None
+        if part:
+            own_ms[part] += tottime * 1e3 / steps
+        own_ms["all"] += tottime * 1e3 / steps
+    text = io.StringIO()
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(40)
+    path.write_text(f"{steps} decode steps; own ms per step: {own_ms}\n{text.getvalue()}")
+    return own_ms
+
+
 def kernel_times_per_step(averages, steps: int) -> dict:
     """{"all_kernels_us", "bookkeeping_us", "bookkeeping_kernels_us": {name: us}} per decode step from a profile's
     key averages (device time of kernels, CUDA-graph replays included)."""
@@ -254,6 +280,13 @@ def run_method(method: str, target: str, drafter: str, args) -> list[dict]:
         if args.torch_profile:
             row["kernels"] = torch_profile(llm, batch, args.prompt_len, min(args.steps, 16), vocab,
                                            Path(args.out).with_suffix(f".{method}.torch{batch}.txt"))  # fmt: skip
+        if args.python_profile:
+            import random
+
+            prompts = random_prompts(random.Random(batch + 3), batch, args.prompt_len, vocab)
+            row["python_ms"] = python_profile(lambda: timed_generate(llm, prompts, 1 + min(args.steps, 16)),
+                                              min(args.steps, 16), Path(args.out).with_suffix(
+                                                  f".{method}.python{batch}.txt"))  # fmt: skip
         if args.sync_report:
             sync_report(llm, batch, args.prompt_len, min(args.steps, 16), vocab,
                         Path(args.out).with_suffix(f".{method}.syncs{batch}.txt"))
@@ -292,6 +325,9 @@ def print_table(rows: list[dict]) -> None:
             print(f"{r['method']} batch {r['batch']} kernels per step: all {kernels['all_kernels_us']:.0f} us, DDTree "
                   f"bookkeeping {kernels['bookkeeping_us']:.1f} us = {share:.2f}% of the {r['step_ms_median']:.2f} ms "
                   f"step ({kernels['bookkeeping_kernels_us']})")
+        if r.get("python_ms"):
+            own = ", ".join(f"{k} {v:.3f}" for k, v in r["python_ms"].items())
+            print(f"{r['method']} batch {r['batch']} Python own ms per step (cProfile): {own}")
     for kind in ("host_ms", "gpu_ms"):
         table = phase_table(rows, kind)
         if table:
@@ -355,6 +391,8 @@ def main() -> None:
                         help="with --target: 'dummy' times a shape only (e.g. configs/smollm2-135m-shape)")
     parser.add_argument("--torch-profile", action="store_true",
                         help="also write a torch.profiler table per method and batch (OUT.<method>.torch<batch>.txt)")
+    parser.add_argument("--python-profile", action="store_true",
+                        help="also write a cProfile table per method and batch (OUT.<method>.python<batch>.txt)")
     parser.add_argument("--sync-report", action="store_true",
                         help="also list the host-device synchronizations of a run by call site (OUT.<method>.syncs<batch>.txt)")
     args = parser.parse_args()

@@ -24,9 +24,6 @@ from pathlib import Path
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")
-PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-
 
 def methods(
     drafter: str | None, block_size: int, budgets: list[int], schedules: list[str] = ()
@@ -95,13 +92,12 @@ def capture_sizes(drafts: list[int], drafter_block: int = 0) -> list[int]:
 
 
 def counters(llm) -> dict:
-    values = {}
-    for metric in llm.get_metrics():
-        if metric.name in SPEC_COUNTERS:
-            values[metric.name] = metric.value
-        elif metric.name == PER_POS:
-            values[metric.name] = list(metric.values)
-    return values
+    """A snapshot of this engine's spec-decode totals (`compat.spec_decode_tally`: per engine, also when several
+    engines share the process, as with --interleave)."""
+    from vllm_ddtree.compat import spec_decode_tally
+
+    tally = spec_decode_tally(llm)
+    return {**tally, "accepted_per_pos": list(tally["accepted_per_pos"])}
 
 
 def generate_at_concurrency(llm, prompts: list, concurrency: int, params) -> list:
@@ -157,9 +153,9 @@ def measure(
         passes += 1
     seconds = time.perf_counter() - start
     after = counters(llm)
-    drafts = after.get(SPEC_COUNTERS[0], 0) - before.get(SPEC_COUNTERS[0], 0)
-    accepted = after.get(SPEC_COUNTERS[1], 0) - before.get(SPEC_COUNTERS[1], 0)
-    per_pos = [a - b for a, b in zip(after.get(PER_POS, []), before.get(PER_POS, [0] * len(after.get(PER_POS, []))))]
+    drafts, accepted = after["drafts"] - before["drafts"], after["accepted"] - before["accepted"]
+    per_pos = after["accepted_per_pos"]
+    per_pos = [a - b for a, b in zip(per_pos, before["accepted_per_pos"] + [0] * len(per_pos))]
     return {
         **speed_and_acceptance(tokens, seconds, batch, drafts, accepted, per_pos),
         "passes": passes,

@@ -337,6 +337,34 @@ def metrics_loggers() -> tuple[type, type]:
     return PrometheusStatLogger, SpecDecodingProm
 
 
+def spec_decode_tally(llm) -> dict:
+    """This offline ``LLM``'s own running spec-decode totals, {"drafts", "accepted", "accepted_per_pos"}, fed by every
+    step's `SpecDecodingStats` (what vLLM's Prometheus counters add up). ``LLM.get_metrics`` reads the process-wide
+    Prometheus registry, which each new engine's stat logger empties (`unregister_vllm_metrics`): with several
+    engines alive in one process only the last one's counters are there (session 22). vLLM 0.26-0.32:
+    ``llm.llm_engine.logger_manager.record(scheduler_stats, iteration_stats, ...)``; needs log stats on."""
+    manager = llm.llm_engine.logger_manager
+    tally = getattr(manager, "_ddtree_tally", None)
+    if tally is not None:
+        return tally
+    tally = manager._ddtree_tally = {"drafts": 0, "accepted": 0, "accepted_per_pos": []}
+    record = manager.record
+
+    def record_and_tally(scheduler_stats, *args, **kwargs):
+        stats = getattr(scheduler_stats, "spec_decoding_stats", None)
+        if stats is not None:
+            tally["drafts"] += stats.num_drafts
+            tally["accepted"] += stats.num_accepted_tokens
+            per_pos = tally["accepted_per_pos"]
+            per_pos.extend([0] * (len(stats.num_accepted_tokens_per_pos) - len(per_pos)))
+            for depth, count in enumerate(stats.num_accepted_tokens_per_pos):
+                per_pos[depth] += count
+        return record(scheduler_stats, *args, **kwargs)
+
+    manager.record = record_and_tally
+    return tally
+
+
 def shutdown_llm(llm) -> None:
     """Stop an offline ``LLM``'s engine now, so its memory (and, on a GPU, its KV cache) goes back before the next
     engine starts in the same process. vLLM 0.26-0.32: ``llm.llm_engine.engine_core.shutdown()``, and a fresh

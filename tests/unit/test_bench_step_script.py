@@ -1,4 +1,5 @@
-"""scripts/bench_step.py: DDTree's bookkeeping kernels per step from a torch profile."""
+"""scripts/bench_step.py: DDTree's bookkeeping kernels per step from a torch profile, its phase table and its
+Python profile."""
 
 from types import SimpleNamespace
 
@@ -76,3 +77,29 @@ def test_phase_table_puts_the_methods_phases_side_by_side_in_step_order():
         "| total | 1.600 | 1.600 |",
     ]
     assert bench.phase_table(rows, "gpu_ms") == ""
+
+
+def test_python_profile_splits_own_time_between_the_plugin_vllm_and_the_rest(tmp_path):
+    """`--python-profile`: cProfile's own time per step, the plugin's functions (files under vllm_ddtree/) apart
+    from vLLM's; the table names the functions."""
+    import time
+
+    import torch
+
+    from vllm_ddtree.tree import walk_tree  # a plugin function
+
+    bench = load_script("bench_step.py")
+
+    def run():
+        for _ in range(4):
+            walk_tree(torch.tensor([[5, 6]]), torch.tensor([[-1, 0]]), torch.tensor([[0, 1]]),
+                      torch.tensor([[6, 7]]), torch.tensor([2]), 1)
+        deadline = time.perf_counter() + 0.02
+        while time.perf_counter() < deadline:  # own time outside both packages
+            pass
+
+    own = bench.python_profile(run, steps=2, path=tmp_path / "python.txt")
+    assert own["vllm_ddtree"] > 0 and own["vllm"] == 0
+    assert own["all"] >= own["vllm_ddtree"] + 10  # the 20 ms loop over 2 steps counts in "all" only
+    text = (tmp_path / "python.txt").read_text()
+    assert "walk_tree" in text and "own ms per step" in text
