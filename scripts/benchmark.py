@@ -42,6 +42,15 @@ def methods(
     return out
 
 
+def parse_cpus(text: str) -> set[int]:
+    """"0-3,8" -> {0, 1, 2, 3, 8} (taskset's list form)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
 def parse_schedule(text: str) -> list[list[int]]:
     """"1-4:64,5-64:16" -> [[1, 4, 64], [5, 64, 16]]: DDTree's budget per batch-size range
     (`num_speculative_tokens_per_batch_size`)."""
@@ -204,9 +213,10 @@ def combine_rounds(rows: list[dict]) -> list[dict]:
             sum(r["output_tokens"] for r in group), sum(r["seconds"] for r in group), first["batch"],
             sum(r["drafts"] for r in group), sum(r["accepted"] for r in group), per_pos,
         )  # fmt: skip
-        combined.append({**{k: v for k, v in first.items() if k != "round"}, **totals,
+        combined.append({**{k: v for k, v in first.items() if k not in ("round", "host_probe_ms")}, **totals,
                          "passes": sum(r["passes"] for r in group), "rounds": len(group),
-                         "round_tokens_per_s": [r["output_tokens_per_s"] for r in group]})  # fmt: skip
+                         "round_tokens_per_s": [r["output_tokens_per_s"] for r in group],
+                         "round_host_probe_ms": [r.get("host_probe_ms") for r in group]})  # fmt: skip
     return combined
 
 
@@ -414,6 +424,8 @@ def main() -> None:
                         help="start every method's engine at once and measure each row for all methods in turn, "
                              "ROUNDS times (see run_interleaved); needs engine-core processes "
                              "(VLLM_ENABLE_V1_MULTIPROCESSING unset or 1)")
+    parser.add_argument("--cpus", default=None, metavar="LIST",
+                        help="run this process and its engines on these CPU cores only, e.g. '0-7' or '0,2,4'")
     parser.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None,
                         help="token counts CUDA graphs are captured for (default: every request count's decode step "
                              "of each method, and powers of two; see capture_sizes)")
@@ -434,6 +446,8 @@ def main() -> None:
         return
     if not args.target:
         parser.error("--target is required (or --plot-from)")
+    if args.cpus:
+        os.sched_setaffinity(0, parse_cpus(args.cpus))  # engine-core processes started later inherit it
     if args.interleave and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
         parser.error("--interleave keeps several engines at once, each in its own engine-core process: unset "
                      "VLLM_ENABLE_V1_MULTIPROCESSING=0 (in-process engines share one CUDA-graph pool)")
@@ -525,12 +539,24 @@ def measure_row(llm, name: str, init_s: float, prompts: list, temperature: float
     """One row: `batch` requests in flight over at least --min-prompts prompts (`measure`); the T = 0 answers of
     the first round go into `greedy_tokens`."""
     group = prompts[: max(batch, args.min_prompts)]
+    probe_ms = host_probe_ms()
     result = measure(llm, group, batch, temperature, args.max_tokens, 1, not args.stop_at_eos, args.min_row_seconds)
     token_ids = result.pop("token_ids")
     if temperature == 0 and round_index == 0:
         greedy_tokens[greedy_key(name, batch)] = token_ids
     return {"method": name, "temperature": temperature, "batch": batch, "prompts": len(group), "init_s": init_s,
-            "round": round_index, **result}  # fmt: skip
+            "round": round_index, "host_probe_ms": [probe_ms, host_probe_ms()], **result}  # fmt: skip
+
+
+def host_probe_ms() -> float:
+    """Milliseconds this process takes for a fixed piece of pure-Python work (~1 ms on the H200 machines' hosts),
+    taken before and after every row: how fast the host ran around it. The H200 machines' host speed drifts by
+    up to ~2x (session 22), which a small model's host-bound decode steps follow."""
+    start = time.perf_counter()
+    total = 0
+    for i in range(20000):
+        total += i * i
+    return (time.perf_counter() - start) * 1e3
 
 
 def show_progress(progress, row: dict) -> None:

@@ -10,7 +10,8 @@
 # ROW_S (default 3): a row's prompts run again until this many seconds have passed (benchmark.py --min-row-seconds).
 # ROUNDS=N: every method's engine starts first, then each row runs for all methods in turn, N times (benchmark.py
 # --interleave; GPU memory split between the engines): ratios taken within a round (table.md) do not depend on how
-# fast the host ran while one engine lived (session 22: 2x between two engines of one call).
+# fast the host ran while one engine lived (session 22: 2x between two engines of one call). CPUS="0-7" runs the
+# benchmark and its engines on those cores only (benchmark.py --cpus).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -22,7 +23,7 @@ mkdir -p "$pair" "$OUT/pair" && cp "$pair"/* "$OUT/pair/" 2>/dev/null
 timeout "${BENCH_S:-540}" python scripts/benchmark.py --target /tmp/smollm2 --drafter "$drafter" \
   --budgets 8 16 32 64 128 --batch-sizes ${BATCHES:-1 4 16 64} --temperatures 0 1 --max-tokens 256 --stop-at-eos \
   --min-prompts 16 --min-row-seconds "${ROW_S:-3}" --out "$OUT/pair" --resume ${SCHEDULES:+--schedules $SCHEDULES} ${METHODS:+--methods $METHODS} \
-  ${EAGER:+--eager} ${ROUNDS:+--interleave $ROUNDS --gpu-memory-utilization 0.8} \
+  ${EAGER:+--eager} ${ROUNDS:+--interleave $ROUNDS --gpu-memory-utilization 0.8} ${CPUS:+--cpus $CPUS} \
   > "$OUT/bench_pair.log" 2>&1
 echo "bench rc=$?"
 cp "$OUT"/pair/* "$pair"/ 2>/dev/null

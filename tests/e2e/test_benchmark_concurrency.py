@@ -70,7 +70,8 @@ def test_interleaved_rounds_run_every_method_in_turn_on_engines_started_together
     command = [sys.executable, str(repo / "scripts/benchmark.py"), "--target", TARGET, "--drafter", DRAFTER,
                "--dtype", "float32", "--eager", "--methods", "ddtree-B5", "none", "--budgets", "5",
                "--batch-sizes", "2", "--temperatures", "0", "1", "--max-tokens", "12", "--min-prompts", "4",
-               "--max-model-len", "512", "--prompts-file", str(prompts), "--interleave", "2", "--out", str(out)]
+               "--max-model-len", "512", "--prompts-file", str(prompts), "--interleave", "2", "--out", str(out),
+               "--cpus", ",".join(map(str, sorted(os.sched_getaffinity(0))))]  # fmt: skip
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
@@ -81,6 +82,7 @@ def test_interleaved_rounds_run_every_method_in_turn_on_engines_started_together
     # holds only the last engine's counters: session 22's first interleaved run lost every other method's).
     for row in results["round_rows"]:
         assert (row["acceptance_length"] is not None) == (row["method"] == "ddtree-B5"), row["method"]
+        assert len(row["host_probe_ms"]) == 2 and min(row["host_probe_ms"]) > 0
     for row in results["rows"]:
         key = (row["method"], row["temperature"])
         rounds = [r for r in results["round_rows"] if (r["method"], r["temperature"]) == key]

@@ -127,13 +127,15 @@ def test_rounds_of_a_row_add_up_and_their_ratios_are_taken_within_each_round():
 
     def row(method, n, tokens, seconds, drafts=0, accepted=0, per_pos=()):
         return {"method": method, "temperature": 0.0, "batch": 4, "round": n, "passes": 1, "prompts": 16,
-                **bench.speed_and_acceptance(tokens, seconds, 4, drafts, accepted, list(per_pos))}
+                "host_probe_ms": [1.0 + n, 1.5 + n], **bench.speed_and_acceptance(tokens, seconds, 4, drafts, accepted,
+                                                                                   list(per_pos))}  # fmt: skip
 
     rows = [row("dflash", 0, 1000, 1.0, 100, 150, [80, 70]), row("ddtree-B16", 0, 1200, 1.0, 80, 200, [70, 130]),
             row("dflash", 1, 1000, 2.0, 100, 150, [80, 70]), row("ddtree-B16", 1, 1000, 1.0, 70, 210, [60, 150]),
             row("dflash", 2, 1000, 1.0, 100, 150, [80, 70]), row("ddtree-B16", 2, 1100, 1.0, 75, 200, [65, 135])]
     tree = next(r for r in bench.combine_rounds(rows) if r["method"] == "ddtree-B16")
-    assert tree["rounds"] == 3 and tree["passes"] == 3 and "round" not in tree
+    assert tree["rounds"] == 3 and tree["passes"] == 3 and "round" not in tree and "host_probe_ms" not in tree
+    assert tree["round_host_probe_ms"] == [[1.0, 1.5], [2.0, 2.5], [3.0, 3.5]]  # each round's, before and after
     assert tree["output_tokens_per_s"] == 3300 / 3.0 and tree["round_tokens_per_s"] == [1200, 1000, 1100]
     assert tree["acceptance_length"] == 1 + 610 / 225
     assert tree["acceptance_per_depth"] == [round(195 / 225, 4), round(415 / 225, 4)]
@@ -147,3 +149,10 @@ def test_rounds_of_a_row_add_up_and_their_ratios_are_taken_within_each_round():
     single = bench.combine_rounds([{"method": "none", "temperature": 1.0, "batch": 1, "output_tokens_per_s": 9.0}])
     assert single == [{"method": "none", "temperature": 1.0, "batch": 1, "output_tokens_per_s": 9.0, "rounds": 1,
                        "round_tokens_per_s": [9.0]}]  # a results.json row from before the rounds
+
+
+def test_cpu_lists_read_as_taskset_writes_them_and_the_host_probe_times_fixed_work():
+    bench = load_benchmark()
+    assert bench.parse_cpus("0-3,8") == {0, 1, 2, 3, 8}
+    assert bench.parse_cpus("5") == {5}
+    assert 0 < bench.host_probe_ms() < 1000
