@@ -227,7 +227,7 @@ def install_runner_hooks() -> None:
         tokens = node_tokens(step, self.input_ids.gpu)  # [R, N]
         choices = choose_nodes(logits, step, sampling_metadata, tokens)  # [rows] tokens, [rows, V] processed logits
         state.walk, state.moves, output = walk_and_moves_(
-            step, choices.token_ids, self.input_ids.gpu, state.depth, self.positions
+            step, choices.token_ids, self.input_ids.gpu, state.depth, self.positions, tokens
         )
         state.timer.mark("walk")
         compact_accepted_kv_(

@@ -37,6 +37,7 @@ def walk_and_moves_(
     input_ids: torch.Tensor,  # [num_tokens] the step's scheduled tokens (a node's token: `node_tokens`)
     max_depth: int,
     positions: torch.Tensor,  # [num_tokens] the step's positions (tree order), put back in chain order in place
+    tokens: torch.Tensor | None = None,  # [R, N] `node_tokens`, if the caller has them already (torch path)
 ) -> tuple[WalkResult, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     """What the runner needs after the target's choices: the walk, `accepted_path_moves` and the sampler output
     (`sampled_token_ids` as int32, [R, N]); `chain_positions_` is applied to `positions`. On CUDA all of it is
@@ -49,7 +50,7 @@ def walk_and_moves_(
             step.node_rows, step.num_nodes, positions,
         )  # fmt: skip
         return WalkResult(path, num_accepted, output), (src.flatten(), dst.flatten()), sampled
-    walk = walk_step(step, node_choices, node_tokens(step, input_ids), max_depth)
+    walk = walk_step(step, node_choices, node_tokens(step, input_ids) if tokens is None else tokens, max_depth)
     chain_positions_(positions, step)
     return walk, accepted_path_moves(step, walk), sampled_token_ids(walk, step.width).to(torch.int32)
 
