@@ -103,7 +103,7 @@ def measure(llm, method: str, batch: int, prompt_len: int, steps: int, repeats: 
         t_prefill, _ = timed_generate(llm, prompts, 1)
         prompts = random_prompts(rng, batch, prompt_len, vocab)
         t_all, drafts = timed_generate(llm, prompts, 1 + steps)
-        num_steps = steps if method == "none" else max(drafts / batch, 1)
+        num_steps = decode_steps(method, batch, steps, drafts)
         if r:
             per_step.append((t_all - t_prefill) / num_steps * 1e3)
     return {
@@ -111,6 +111,12 @@ def measure(llm, method: str, batch: int, prompt_len: int, steps: int, repeats: 
         "step_ms_median": statistics.median(per_step), "step_ms_all": per_step,
         "steps_per_run": num_steps, "accepted_per_step": steps / num_steps - 1,
     }  # fmt: skip
+
+
+def decode_steps(method: str, batch: int, tokens: int, drafts: int) -> float:
+    """Decode steps of a run of `tokens` decode tokens per request: one per token without speculation, else one per
+    draft (vLLM counts one draft per request and step)."""
+    return tokens if method == "none" else max(drafts / batch, 1)
 
 
 def profile_pass(llm, batch: int, prompt_len: int, steps: int, path: Path) -> dict:
@@ -177,18 +183,19 @@ def torch_profile(llm, batch: int, prompt_len: int, steps: int, vocab: int, path
     return kernel_times_per_step(averages, steps)
 
 
-def python_profile(run, steps: int, path: Path) -> dict:
-    """cProfile over `run()` (one run of `steps` decode steps, the engine in this process): the functions with the
-    most own time and the most cumulative time, as text in `path`. Returns the own (tottime) milliseconds per step
-    of the plugin's functions (files under vllm_ddtree/), of vLLM's and of all, under cProfile (which inflates
-    Python time): where a step's host time goes that the torch profiler's op table does not show (session 22: the
-    chain's and DDTree's ops took the same host time, but DDTree's steps ~0.45 ms more)."""
+def python_profile(run, path: Path) -> dict:
+    """cProfile over `run()`, which runs an engine in this process and returns how many decode steps it ran: the
+    functions with the most own time and the most cumulative time, as text in `path`. Returns the own (tottime)
+    milliseconds per decode step (the run's prefill step counted in) of the plugin's functions (files under
+    vllm_ddtree/), of vLLM's and of all, under cProfile (which inflates Python time): where a step's host time goes
+    that the torch profiler's op table does not show (session 22: the chain's and DDTree's ops took the same host
+    time, but DDTree's steps ~0.45 ms more)."""
     import cProfile
     import io
     import pstats
 
     profiler = cProfile.Profile()
-    profiler.runcall(run)
+    steps = profiler.runcall(run)
     stats = pstats.Stats(profiler)
     own_ms: dict[str, float] = {"vllm_ddtree": 0.0, "vllm": 0.0, "all": 0.0}
     for (filename, _, _), (_, _, tottime, _, _) in stats.stats.items():
@@ -199,7 +206,7 @@ def python_profile(run, steps: int, path: Path) -> dict:
     text = io.StringIO()
     for order in ("tottime", "cumulative"):
         pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(40)
-    path.write_text(f"{steps} decode steps; own ms per step: {own_ms}\n{text.getvalue()}")
+    path.write_text(f"{steps:.1f} decode steps; own ms per step: {own_ms}\n{text.getvalue()}")
     return own_ms
 
 
@@ -284,9 +291,12 @@ def run_method(method: str, target: str, drafter: str, args) -> list[dict]:
             import random
 
             prompts = random_prompts(random.Random(batch + 3), batch, args.prompt_len, vocab)
-            row["python_ms"] = python_profile(lambda: timed_generate(llm, prompts, 1 + min(args.steps, 16)),
-                                              min(args.steps, 16), Path(args.out).with_suffix(
-                                                  f".{method}.python{batch}.txt"))  # fmt: skip
+            tokens = min(args.steps, 16)
+
+            def run() -> float:  # decode steps of one run (its prefill step counted in `python_profile`'s figures)
+                return decode_steps(method, batch, tokens, timed_generate(llm, prompts, 1 + tokens)[1])
+
+            row["python_ms"] = python_profile(run, Path(args.out).with_suffix(f".{method}.python{batch}.txt"))
         if args.sync_report:
             sync_report(llm, batch, args.prompt_len, min(args.steps, 16), vocab,
                         Path(args.out).with_suffix(f".{method}.syncs{batch}.txt"))

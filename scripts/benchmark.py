@@ -196,25 +196,30 @@ def rotated(items: list, shift: int) -> list:
 
 
 def combine_rounds(rows: list[dict]) -> list[dict]:
-    """One row per (method, temperature, batch) from the rows of every round: tokens, seconds and spec-decode counts
-    added up (tok/s = all tokens / all seconds), the rounds' own tok/s kept as `round_tokens_per_s`."""
+    """One row per (run, method, temperature, batch) from the rows of every round of that run (`run`: one
+    benchmark.py invocation; rows of other runs, from --resume or --plot-from, stay apart): tokens, seconds and
+    spec-decode counts added up (tok/s = all tokens / all seconds), each round's tok/s and host probe kept.
+    Rows from before the rounds (no `run`, no raw counts) count tokens and seconds only."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["method"], r["temperature"], r["batch"]), []).append(r)
+        groups.setdefault((r.get("run"), r["method"], r["temperature"], r["batch"]), []).append(r)
     combined = []
     for group in groups.values():
         first = group[0]
-        if len(group) == 1:  # also the rows of results.json files from before the rounds (no raw counts)
-            combined.append({**{k: v for k, v in first.items() if k != "round"}, "rounds": 1,
-                             "round_tokens_per_s": [first["output_tokens_per_s"]]})  # fmt: skip
-            continue
-        per_pos = [sum(values) for values in zip(*(r["accepted_per_pos"] for r in group))]
-        totals = speed_and_acceptance(
-            sum(r["output_tokens"] for r in group), sum(r["seconds"] for r in group), first["batch"],
-            sum(r["drafts"] for r in group), sum(r["accepted"] for r in group), per_pos,
-        )  # fmt: skip
+        counted = all("accepted_per_pos" in r for r in group)
+        if len(group) == 1:
+            totals = {}  # the row's own figures
+        elif counted:
+            per_pos = [sum(values) for values in zip(*(r["accepted_per_pos"] for r in group))]
+            totals = speed_and_acceptance(
+                sum(r["output_tokens"] for r in group), sum(r["seconds"] for r in group), first["batch"],
+                sum(r["drafts"] for r in group), sum(r["accepted"] for r in group), per_pos,
+            )  # fmt: skip
+        else:
+            totals = speed_and_acceptance(sum(r["output_tokens"] for r in group), sum(r["seconds"] for r in group),
+                                          first["batch"], 0, 0, [])  # fmt: skip
         combined.append({**{k: v for k, v in first.items() if k not in ("round", "host_probe_ms")}, **totals,
-                         "passes": sum(r["passes"] for r in group), "rounds": len(group),
+                         "passes": sum(r.get("passes", 1) for r in group), "rounds": len(group),
                          "round_tokens_per_s": [r["output_tokens_per_s"] for r in group],
                          "round_host_probe_ms": [r.get("host_probe_ms") for r in group]})  # fmt: skip
     return combined
@@ -222,22 +227,29 @@ def combine_rounds(rows: list[dict]) -> list[dict]:
 
 def round_ratios(rows: list[dict], baselines: tuple[str, ...] = ("dflash", "none")) -> str:
     """Markdown: per temperature and batch, each method's tok/s over each baseline's (the chain, no speculation)
-    within every round, where the two ran minutes apart at most: the median and the range over the rounds. The
-    device machines' host speed drifted by up to 2x between engines run one after the other (session 22), so
-    only ratios taken within a round are trusted."""
-    speed = {(r["method"], r["temperature"], r["batch"], r.get("round", 0)): r["output_tokens_per_s"] for r in rows}
-    present = [b for b in baselines if any(m == b for m, *_ in speed)]
+    within every round of one run, where the two ran minutes apart at most: the median and the range over the
+    rounds. The device machines' host speed drifted by up to 2x between engines run one after the other (session
+    22), so only ratios taken within a round are trusted."""
+    speed = {(r["method"], r["temperature"], r["batch"], r.get("run"), r.get("round", 0)): r["output_tokens_per_s"]
+             for r in rows}  # fmt: skip
+    present = [b for b in baselines if any(key[0] == b for key in speed)]
     lines = ["| method | temperature | batch | " + " | ".join(f"vs {b}: median (range)" for b in present) + " |",
              "| --- | --- | --- |" + " --- |" * len(present)]  # fmt: skip
-    for method in dict.fromkeys(m for m, *_ in speed if m not in baselines):
-        for temperature, batch in sorted({(t, b) for m, t, b, _ in speed if m == method}):
-            cells = []
+    for method in dict.fromkeys(key[0] for key in speed):
+        cells = {}
+        for temperature, batch in sorted({(t, b) for m, t, b, *_ in speed if m == method}):
+            row = []
             for base in present:
-                ratios = sorted(v / speed[base, t, b, n] for (m, t, b, n), v in speed.items()
-                                if (m, t, b) == (method, temperature, batch) and (base, t, b, n) in speed)  # fmt: skip
-                cells.append(f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}, {len(ratios)} "
-                             "rounds)" if ratios else "-")  # fmt: skip
-            lines.append(f"| {method} | {temperature} | {batch} | " + " | ".join(cells) + " |")
+                ratios = sorted(v / speed[base, t, b, run, n] for (m, t, b, run, n), v in speed.items()
+                                if (m, t, b) == (method, temperature, batch)
+                                and (base, t, b, run, n) in speed)  # fmt: skip
+                row.append(f"{statistics.median(ratios):.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}, {len(ratios)} "
+                           "rounds)" if ratios and base != method else "-")  # fmt: skip
+            cells[temperature, batch] = row
+        if all(c == "-" for row in cells.values() for c in row):
+            continue  # the last baseline itself: nothing to compare it with
+        for (temperature, batch), row in cells.items():
+            lines.append(f"| {method} | {temperature} | {batch} | " + " | ".join(row) + " |")
     return "\n".join(lines) if present and len(lines) > 2 else ""
 
 
@@ -421,8 +433,9 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
                         help="for each engine; with --interleave, for all of them together (an equal share each)")
     parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
-                        help="start every method's engine at once and measure each row for all methods in turn, "
-                             "ROUNDS times (see run_interleaved); needs engine-core processes "
+                        help="start every method's engine (one after another) before measuring, then measure "
+                             "each row for all methods in turn, ROUNDS times (see run_interleaved); needs "
+                             "engine-core processes "
                              "(VLLM_ENABLE_V1_MULTIPROCESSING unset or 1)")
     parser.add_argument("--cpus", default=None, metavar="LIST",
                         help="run this process and its engines on these CPU cores only, e.g. '0-7' or '0,2,4'")
@@ -436,7 +449,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.plot_from:
         saved = [json.loads(Path(path).read_text()) for path in args.plot_from]
-        rows = [r for results in saved for r in results.get("round_rows", results["rows"])]
+        rows = [{"run": path, **r} for path, results in zip(args.plot_from, saved)
+                for r in results.get("round_rows", results["rows"])]  # files without run ids: one run each
         greedy = [Path(path).with_name(GREEDY_TOKENS) for path in args.plot_from]
         greedy_tokens = {k: v for path in greedy if path.is_file() for k, v in json.loads(path.read_text()).items()}
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -446,6 +460,7 @@ def main() -> None:
         return
     if not args.target:
         parser.error("--target is required (or --plot-from)")
+    args.run_id = time.strftime("%Y%m%dT%H%M%S")  # rows of this invocation: rounds combine and compare within it
     if args.cpus:
         os.sched_setaffinity(0, parse_cpus(args.cpus))  # engine-core processes started later inherit it
     if args.interleave and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
@@ -545,7 +560,8 @@ def measure_row(llm, name: str, init_s: float, prompts: list, temperature: float
     if temperature == 0 and round_index == 0:
         greedy_tokens[greedy_key(name, batch)] = token_ids
     return {"method": name, "temperature": temperature, "batch": batch, "prompts": len(group), "init_s": init_s,
-            "round": round_index, "host_probe_ms": [probe_ms, host_probe_ms()], **result}  # fmt: skip
+            "run": args.run_id, "round": round_index, "host_probe_ms": [probe_ms, host_probe_ms()],
+            **result}  # fmt: skip
 
 
 def host_probe_ms() -> float:
@@ -573,11 +589,13 @@ def run_interleaved(plan: list, args, block_size: int, out: Path, rows: list, gr
     profile at half the speed of the engine before it (session 22), which no later engine could undo."""
     from vllm_ddtree.compat import shutdown_llm
 
+    if not plan:
+        return  # --resume: every method is measured already
     engines = []
-    for name, spec in plan:
-        llm, init_s = start_engine(name, spec, args, block_size, args.gpu_memory_utilization / len(plan))
-        engines.append((name, llm, init_s))
     try:
+        for name, spec in plan:
+            llm, init_s = start_engine(name, spec, args, block_size, args.gpu_memory_utilization / len(plan))
+            engines.append((name, llm, init_s))
         prompts = load_prompts(args, engines[0][1].get_tokenizer() if args.load_format != "dummy" else None)
         for _, llm, _ in engines:
             warm_up(llm, prompts, args)
@@ -605,7 +623,8 @@ def write_results(out: Path, args, round_rows: list[dict], greedy_tokens: dict |
     rows = combine_rounds(round_rows)
     (out / "results.json").write_text(json.dumps({"setup": setup, "rows": rows, "round_rows": round_rows}, indent=2))
     table = markdown_table(rows) + "\n"
-    ratios = round_ratios(round_rows) if any(r.get("round", 0) for r in round_rows) else ""
+    interleaved = getattr(args, "interleave", 0) or any(r.get("round", 0) for r in round_rows)
+    ratios = round_ratios(round_rows) if interleaved else ""
     table += f"\nWithin each round, tok/s over the baselines':\n\n{ratios}\n" if ratios else ""
     fastest = fastest_by_batch(rows)
     table += f"\nFastest per temperature and batch:\n\n{fastest}\n" if fastest else ""

@@ -342,8 +342,11 @@ def spec_decode_tally(llm) -> dict:
     step's `SpecDecodingStats` (what vLLM's Prometheus counters add up). ``LLM.get_metrics`` reads the process-wide
     Prometheus registry, which each new engine's stat logger empties (`unregister_vllm_metrics`): with several
     engines alive in one process only the last one's counters are there (session 22). vLLM 0.26-0.32:
-    ``llm.llm_engine.logger_manager.record(scheduler_stats, iteration_stats, ...)``; needs log stats on."""
+    ``llm.llm_engine.logger_manager.record(scheduler_stats, iteration_stats, ...)``; needs log stats on. Counts
+    from the first call on (take a snapshot before and after what is measured)."""
     manager = llm.llm_engine.logger_manager
+    if manager is None:
+        raise ValueError("spec_decode_tally needs an engine that logs stats: LLM(..., disable_log_stats=False)")
     tally = getattr(manager, "_ddtree_tally", None)
     if tally is not None:
         return tally

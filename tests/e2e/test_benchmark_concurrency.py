@@ -95,3 +95,7 @@ def test_interleaved_rounds_run_every_method_in_turn_on_engines_started_together
     assert greedy["ddtree-B5|batch2"] == greedy["none|batch2"]
     table = (out / "table.md").read_text()
     assert "Within each round" in table and "| ddtree-B5 | 0.0 | 2 |" in table
+    # --resume with every method measured (gpu_bench_pair.sh always resumes): nothing to run, results kept.
+    again = subprocess.run(command + ["--resume"], env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((out / "results.json").read_text())["round_rows"] == results["round_rows"]

@@ -90,16 +90,24 @@ def test_python_profile_splits_own_time_between_the_plugin_vllm_and_the_rest(tmp
 
     bench = load_script("bench_step.py")
 
-    def run():
+    def run():  # returns the decode steps it ran, as bench_step's runs do
         for _ in range(4):
             walk_tree(torch.tensor([[5, 6]]), torch.tensor([[-1, 0]]), torch.tensor([[0, 1]]),
                       torch.tensor([[6, 7]]), torch.tensor([2]), 1)
         deadline = time.perf_counter() + 0.02
         while time.perf_counter() < deadline:  # own time outside both packages
             pass
+        return 2
 
-    own = bench.python_profile(run, steps=2, path=tmp_path / "python.txt")
+    own = bench.python_profile(run, path=tmp_path / "python.txt")
     assert own["vllm_ddtree"] > 0 and own["vllm"] == 0
     assert own["all"] >= own["vllm_ddtree"] + 10  # the 20 ms loop over 2 steps counts in "all" only
     text = (tmp_path / "python.txt").read_text()
     assert "walk_tree" in text and "own ms per step" in text
+
+
+def test_decode_steps_count_drafts_per_request_for_speculative_methods():
+    bench = load_bench_step()
+    assert bench.decode_steps("none", 4, 16, 0) == 16
+    assert bench.decode_steps("ddtree", 4, 16, 20) == 5  # 20 drafts over 4 requests: 5 verification steps
+    assert bench.decode_steps("dflash", 4, 16, 0) == 1  # at least one

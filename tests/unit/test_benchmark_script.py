@@ -147,8 +147,11 @@ def test_rounds_of_a_row_add_up_and_their_ratios_are_taken_within_each_round():
     assert bench.rotated(["a", "b", "c"], 0) == ["a", "b", "c"]
     assert bench.rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
     single = bench.combine_rounds([{"method": "none", "temperature": 1.0, "batch": 1, "output_tokens_per_s": 9.0}])
-    assert single == [{"method": "none", "temperature": 1.0, "batch": 1, "output_tokens_per_s": 9.0, "rounds": 1,
-                       "round_tokens_per_s": [9.0]}]  # a results.json row from before the rounds
+    assert single == [{"method": "none", "temperature": 1.0, "batch": 1, "output_tokens_per_s": 9.0, "passes": 1,
+                       "rounds": 1, "round_tokens_per_s": [9.0], "round_host_probe_ms": [None]}]  # pre-rounds row
+    old = [{"method": "none", "temperature": 1.0, "batch": 1, "output_tokens": 100 * n, "seconds": 1.0, "passes": 1,
+            "output_tokens_per_s": 100.0 * n, "acceptance_length": None} for n in (1, 2)]  # two old files' rows
+    assert bench.combine_rounds(old)[0]["output_tokens_per_s"] == 150.0
 
 
 def test_cpu_lists_read_as_taskset_writes_them_and_the_host_probe_times_fixed_work():
@@ -156,3 +159,23 @@ def test_cpu_lists_read_as_taskset_writes_them_and_the_host_probe_times_fixed_wo
     assert bench.parse_cpus("0-3,8") == {0, 1, 2, 3, 8}
     assert bench.parse_cpus("5") == {5}
     assert 0 < bench.host_probe_ms() < 1000
+
+
+def test_rounds_of_different_runs_neither_combine_nor_compare():
+    """Rows of two benchmark.py runs (--resume adding methods, --plot-from of two files) pair only within their own
+    run's rounds: a ratio across runs would carry the host drift the rounds exist to avoid. The baselines are
+    compared with each other too."""
+    bench = load_benchmark()
+
+    def row(method, run, n, tok_s):
+        return {"method": method, "temperature": 0.0, "batch": 1, "run": run, "round": n, "passes": 1,
+                **bench.speed_and_acceptance(tok_s, 1.0, 1, 0, 0, [])}
+
+    rows = [row("dflash", "a", 0, 100), row("none", "a", 0, 50), row("dflash", "a", 1, 100), row("none", "a", 1, 80),
+            row("ddtree-B32", "b", 0, 300), row("dflash", "b", 0, 200)]  # fmt: skip
+    lines = bench.round_ratios(rows).splitlines()[2:]
+    assert lines == ["| dflash | 0.0 | 1 | - | 1.62x (1.25-2.00, 2 rounds) |",
+                     "| none | 0.0 | 1 | 0.65x (0.50-0.80, 2 rounds) | - |",
+                     "| ddtree-B32 | 0.0 | 1 | 1.50x (1.50-1.50, 1 rounds) | - |"]  # against run b's chain only
+    chains = [r for r in bench.combine_rounds(rows) if r["method"] == "dflash"]
+    assert [(r["run"], r["rounds"], r["output_tokens_per_s"]) for r in chains] == [("a", 2, 100.0), ("b", 1, 200.0)]
