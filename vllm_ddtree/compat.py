@@ -150,6 +150,12 @@ def v2_model_runner_module():
     return model_runner
 
 
+def v2_last_sampled_tokens(runner):
+    """[max_reqs] the last sampled token of every request slot, Model Runner V2's persistent buffer (0.26:
+    `req_states.last_sampled_tokens`, [max_reqs, 1]); `propose` gets the same tensor as `last_sampled`."""
+    return runner.req_states.last_sampled_tokens.view(-1)
+
+
 def v2_dflash_speculator_class():
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 

@@ -10,9 +10,16 @@ Two things change:
 
 Before the pass the accepted path's context rows move to the front of each request (`accepted_path_moves`, set
 by the verifier), so DFlash's own "first num_sampled rows are the new context" rule reads root + path.
+
+Experimental, off by default (`VLLM_DDTREE_TREE_IN_GRAPH=1`): the tree build runs inside `sample_draft`, so in
+the drafter's FULL graph, and costs no host time at replay (~0.1 ms a step on the H200, session 22's profile).
+Request slots come from V2's `sample_idx_mapping` rows (-1 for the graph's padding requests, whose trees go to a
+scratch slot), roots from `req_states.last_sampled_tokens` (handed over by the runner hook before capture).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -23,6 +30,11 @@ from vllm_ddtree.tree.build import top_tokens, topk_per_depth, trees_into_slots_
 
 DFlashSpeculator = v2_dflash_speculator_class()
 _NO_TIMER = step_timer(torch.device("cpu"))  # a no-op until the runner sets its own
+TREE_IN_GRAPH_ENV = "VLLM_DDTREE_TREE_IN_GRAPH"
+
+
+def tree_build_in_graph_requested() -> bool:
+    return os.environ.get(TREE_IN_GRAPH_ENV, "0") == "1"
 
 
 class DDTreeSpeculator(DFlashSpeculator):
@@ -37,14 +49,24 @@ class DDTreeSpeculator(DFlashSpeculator):
         # Filled inside the drafter's CUDA graph: [max_reqs * D, K], request-major.
         self.top_token_ids = torch.zeros((rows, self.topk), dtype=torch.int64, device=device)
         self.top_log_probs = torch.zeros((rows, self.topk), dtype=torch.float32, device=device)
-        # The last tree proposed for each request slot; a chain until then (any tree verifies losslessly).
+        # The last tree proposed for each request slot; a chain until then (any tree verifies losslessly). Row
+        # max_reqs is a scratch slot: the trees of a graph's padding requests (in-graph build) land there.
         width = budget + 1
         chain = torch.arange(width, dtype=torch.int64, device=device)
-        self.tree_parents = (chain - 1).repeat(self.max_num_reqs, 1)  # [max_reqs, B + 1]
-        self.tree_depths = chain.repeat(self.max_num_reqs, 1)  # [max_reqs, B + 1]
+        self.tree_parents = (chain - 1).repeat(self.max_num_reqs + 1, 1)  # [max_reqs + 1, B + 1]
+        self.tree_depths = chain.repeat(self.max_num_reqs + 1, 1)  # [max_reqs + 1, B + 1]
         # (src, dst) token moves of this step's accepted paths, set by the verifier.
         self.accepted_path_moves: tuple[torch.Tensor, torch.Tensor] | None = None
         self.timer = _NO_TIMER  # the runner's profiling.StepTimer (runner_v2)
+        # In-graph tree build (VLLM_DDTREE_TREE_IN_GRAPH=1): on once the runner hands over V2's roots buffer.
+        self.tree_in_graph = tree_build_in_graph_requested()
+        self.roots: torch.Tensor | None = None  # [max_reqs] V2's last_sampled_tokens (runner_v2)
+        self.roots_and_scratch = torch.zeros(self.max_num_reqs + 1, dtype=torch.int64, device=device)
+        self.tree_tokens = torch.zeros((self.max_num_reqs, width), dtype=torch.int64, device=device)
+
+    @property
+    def builds_trees_in_graph(self) -> bool:
+        return self.tree_in_graph and self.roots is not None
 
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
@@ -70,7 +92,24 @@ class DDTreeSpeculator(DFlashSpeculator):
         n = logits.shape[0]
         self.top_token_ids[:n].copy_(token_ids)
         self.top_log_probs[:n].copy_(log_probs)
+        if self.builds_trees_in_graph:
+            idx_mapping = kwargs["idx_mapping"] if "idx_mapping" in kwargs else args[1]  # [n] slot of each row
+            self._build_trees_(token_ids, log_probs, idx_mapping)
         return token_ids[:, 0]
+
+    def _build_trees_(self, token_ids: torch.Tensor, log_probs: torch.Tensor, idx_mapping: torch.Tensor) -> None:
+        """The tree build inside `sample_draft` (in the drafter's graph): every request's tree into its slot and its
+        node tokens into `tree_tokens`; the graph's padding requests (slot -1) into the scratch slot."""
+        depth, scratch = self.depth, self.max_num_reqs
+        num_reqs = token_ids.shape[0] // depth
+        slots = idx_mapping[: num_reqs * depth].view(num_reqs, depth)[:, 0].to(torch.int64)  # [R]
+        slots = torch.where(slots < 0, scratch, slots)
+        self.roots_and_scratch[:scratch].copy_(self.roots)  # read at replay, after V2's post_update
+        tokens = trees_into_slots_(
+            token_ids.view(num_reqs, depth, -1), log_probs.view(num_reqs, depth, -1), self.roots_and_scratch, slots,
+            self.budget, self.tree_parents, self.tree_depths,
+        )  # fmt: skip
+        self.tree_tokens[:num_reqs].copy_(tokens)
 
     @torch.inference_mode()
     def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
@@ -83,6 +122,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.accepted_path_moves = None
         self.timer.mark("draft")
         num_reqs, depth = input_batch.num_reqs, self.depth
+        if self.builds_trees_in_graph:
+            self.timer.mark("tree_build")
+            return self.tree_tokens[:num_reqs, 1:]  # [R, B], built in the pass (V2 copies them at once)
         rows = num_reqs * depth
         token_ids = trees_into_slots_(
             self.top_token_ids[:rows].view(num_reqs, depth, -1),

@@ -81,7 +81,7 @@ def test_drafter_keeps_each_positions_top_tokens_and_returns_the_argmax():
     head = torch.randn(hidden, vocab)
     speculator = object.__new__(DDTreeSpeculator)
     speculator.model = SimpleNamespace(compute_logits=lambda h: h @ head)
-    speculator.topk = k
+    speculator.topk, speculator.tree_in_graph = k, False
     speculator.top_token_ids = torch.full((10, k), -7, dtype=torch.int64)
     speculator.top_log_probs = torch.full((10, k), 7.0)
     states = torch.randn(rows, hidden)
@@ -243,6 +243,7 @@ def test_speculator_keeps_each_requests_tree_in_its_slot_and_returns_its_nodes(m
     spec = object.__new__(DDTreeSpeculator)
     spec.model = SimpleNamespace(compute_logits=lambda h: h, combine_hidden_states=lambda h: h * 1.0)
     spec.budget, spec.depth, spec.topk, spec.timer = budget, depth, k, step_timer(torch.device("cpu"))
+    spec.tree_in_graph = False
     spec.top_token_ids = torch.zeros(max_reqs * depth, k, dtype=torch.int64)
     spec.top_log_probs = torch.zeros(max_reqs * depth, k)
     spec.tree_parents = torch.full((max_reqs, budget + 1), -7, dtype=torch.int64)
@@ -352,3 +353,46 @@ def test_chain_profile_marks_the_phases_ddtree_marks_and_passes_everything_throu
     assert not runner_v2._chain_profile_requested(config(None), None)
     monkeypatch.delenv(runner_v2.CHAIN_PROFILE_ENV)
     assert not runner_v2._chain_profile_requested(config("dflash"), None)
+
+
+def test_in_graph_tree_build_gives_the_trees_built_after_the_pass(monkeypatch):
+    """VLLM_DDTREE_TREE_IN_GRAPH=1: the tree build runs inside `sample_draft` (the drafter's graph), with each row's
+    request slot from V2's sample_idx_mapping and the roots from V2's last_sampled buffer. The trees, slot rows and
+    returned nodes equal the build after the pass; the graph's padding requests (slot -1) write only the scratch
+    slot."""
+    from vllm_ddtree import speculator_v2
+    from vllm_ddtree.speculator_v2 import DDTreeSpeculator
+    from vllm_ddtree.tree.build import top_tokens, tree_from_top_tokens
+
+    budget, depth, vocab, k, max_reqs = 5, 3, 30, 5, 6
+    padded = 3  # the drafter's graph for 3 requests replayed for 2: the third is padding
+    logits = torch.randn(padded * depth, vocab, generator=torch.Generator().manual_seed(3)) * 3
+    slots_of_rows = torch.tensor([4] * depth + [1] * depth + [-1] * depth, dtype=torch.int32)  # V2's sample_idx_mapping
+
+    def dflash_propose(self, input_batch, *args, **kwargs):
+        positions = torch.zeros(padded * depth, dtype=torch.int64)
+        self.sample_draft(logits, positions, slots_of_rows, None, None, None, None)  # V2's positional call
+
+    monkeypatch.setattr(speculator_v2.DFlashSpeculator, "propose", dflash_propose)
+    spec = object.__new__(DDTreeSpeculator)
+    spec.model = SimpleNamespace(compute_logits=lambda h: h)
+    spec.budget, spec.depth, spec.topk, spec.timer = budget, depth, k, step_timer(torch.device("cpu"))
+    spec.max_num_reqs, spec.accepted_path_moves = max_reqs, None
+    spec.top_token_ids = torch.zeros(max_reqs * depth, k, dtype=torch.int64)
+    spec.top_log_probs = torch.zeros(max_reqs * depth, k)
+    spec.tree_parents = torch.full((max_reqs + 1, budget + 1), -7, dtype=torch.int64)
+    spec.tree_depths = torch.full((max_reqs + 1, budget + 1), -7, dtype=torch.int64)
+    spec.tree_in_graph, spec.roots = True, (torch.arange(max_reqs)[:, None] + 100).view(-1)  # V2's buffer, flat
+    spec.roots_and_scratch = torch.zeros(max_reqs + 1, dtype=torch.int64)
+    spec.tree_tokens = torch.full((max_reqs, budget + 1), -3, dtype=torch.int64)
+    batch = SimpleNamespace(num_reqs=2, idx_mapping=torch.tensor([4, 1], dtype=torch.int32))
+
+    drafts = spec.propose(batch, None, None, torch.zeros(8, 2), [], None, None, spec.roots[:, None])
+
+    ids, lps = top_tokens(logits, k)
+    want = tree_from_top_tokens(ids[: 2 * depth].view(2, depth, k), lps[: 2 * depth].view(2, depth, k),
+                                torch.tensor([104, 101]), budget)  # fmt: skip
+    assert torch.equal(drafts, want.token_ids[:, 1:])
+    assert torch.equal(spec.tree_parents[[4, 1]], want.parents) and torch.equal(spec.tree_depths[[4, 1]], want.depths)
+    assert (spec.tree_parents[[0, 2, 3, 5]] == -7).all()  # other live slots untouched
+    assert (spec.tree_parents[max_reqs] != -7).any()  # the padding request's tree went to the scratch slot
