@@ -16,6 +16,7 @@ import torch
 from vllm_ddtree.compat import DFlashProposer, pad_dflash_query_buffers
 from vllm_ddtree.config import drafting_config
 from vllm_ddtree.tree import DraftTree, build_draft_tree
+from vllm_ddtree.verify.scorer import move_rows_
 
 
 class DDTreeProposer(DFlashProposer):
@@ -44,7 +45,7 @@ class DDTreeProposer(DFlashProposer):
         if moves is not None:
             src, dst = moves
             context = kwargs["target_hidden_states"]  # [num_tokens, hidden]
-            context[dst] = context[src]
+            move_rows_(context, src, dst)
         return super().set_inputs_first_pass(**kwargs)
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):

@@ -27,6 +27,7 @@ from vllm_ddtree.compat import v2_dflash_speculator_class
 from vllm_ddtree.config import drafting_config
 from vllm_ddtree.profiling import step_timer
 from vllm_ddtree.tree.build import top_tokens, topk_per_depth, trees_into_slots_
+from vllm_ddtree.verify.scorer import move_rows_
 
 DFlashSpeculator = v2_dflash_speculator_class()
 _NO_TIMER = step_timer(torch.device("cpu"))  # a no-op until the runner sets its own
@@ -83,7 +84,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         moves, self.accepted_path_moves = self.accepted_path_moves, None
         if moves is not None:
             src, dst = moves
-            context[dst] = context[src]
+            move_rows_(context, src, dst)
 
     def sample_draft(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         """Per drafted position: keep its top-K tokens and log-probs; return the argmax (runs in the graph)."""

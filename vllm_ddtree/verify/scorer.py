@@ -89,6 +89,14 @@ def accepted_path_moves(step: TreeStep, walk: WalkResult) -> tuple[torch.Tensor,
     return src.flatten(), dst.flatten()
 
 
+def move_rows_(rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """rows[dst] = rows[src] for [num_tokens, ...] `rows` and `accepted_path_moves`' (src, dst): the accepted paths'
+    drafter context moved behind each root. `index_select` then `index_copy_` (the source is read whole before any
+    write): the same result as advanced indexing, with less host work per call. Repeated (src, dst) pairs write
+    equal values."""
+    rows.index_copy_(0, dst, rows.index_select(0, src))
+
+
 def output_logprobs(
     logits: torch.Tensor,  # [rows, V] raw or processed target logits
     step: TreeStep,
