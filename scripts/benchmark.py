@@ -455,8 +455,9 @@ def main() -> None:
         greedy_tokens = {k: v for path in greedy if path.is_file() for k, v in json.loads(path.read_text()).items()}
         Path(args.out).mkdir(parents=True, exist_ok=True)
         write_results(Path(args.out), args, rows, greedy_tokens)
-        print(markdown_table(combine_rounds(rows)))
-        plot(combine_rounds(rows), Path(args.out))
+        combined = combine_rounds(rows)
+        print(markdown_table(combined))
+        plot(combined, Path(args.out))
         return
     if not args.target:
         parser.error("--target is required (or --plot-from)")
@@ -504,11 +505,12 @@ def main() -> None:
             del llm
             write_results(out, args, rows, greedy_tokens)  # after every method: a run cut short keeps what it measured
     progress.close()
-    print(markdown_table(combine_rounds(rows)))
-    print(greedy_agreement(combine_rounds(rows), greedy_tokens))
+    combined = combine_rounds(rows)
+    print(markdown_table(combined))
+    print(greedy_agreement(combined, greedy_tokens))
     if args.interleave:
         print(round_ratios(rows))
-    plot(combine_rounds(rows), out)
+    plot(combined, out)
 
 
 def start_engine(name: str, spec: dict | None, args, block_size: int, memory_utilization: float):

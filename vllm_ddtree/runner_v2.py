@@ -165,7 +165,7 @@ def install_v2_runner_hooks() -> None:
                 from vllm_ddtree.compat import v2_last_sampled_tokens
 
                 self.speculator.roots = v2_last_sampled_tokens(self)
-                logger.info("DDTree: the tree build runs inside the drafter's pass (%s=1)", "VLLM_DDTREE_TREE_IN_GRAPH")
+                logger.info("DDTree: the tree build runs inside the drafter's pass (VLLM_DDTREE_TREE_IN_GRAPH=1)")
         logger.info(
             "DDTree on Model Runner V2: node budget %d, tree depth %d, max top-k per depth %s",
             settings["budget"], settings["depth"], settings["max_topk"],

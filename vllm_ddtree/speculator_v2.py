@@ -101,16 +101,20 @@ class DDTreeSpeculator(DFlashSpeculator):
     def _build_trees_(self, token_ids: torch.Tensor, log_probs: torch.Tensor, idx_mapping: torch.Tensor) -> None:
         """The tree build inside `sample_draft` (in the drafter's graph): every request's tree into its slot and its
         node tokens into `tree_tokens`; the graph's padding requests (slot -1) into the scratch slot."""
-        depth, scratch = self.depth, self.max_num_reqs
-        num_reqs = token_ids.shape[0] // depth
-        slots = idx_mapping[: num_reqs * depth].view(num_reqs, depth)[:, 0].to(torch.int64)  # [R]
+        num_reqs, scratch = token_ids.shape[0] // self.depth, self.max_num_reqs
+        slots = idx_mapping[: num_reqs * self.depth].view(num_reqs, self.depth)[:, 0].to(torch.int64)  # [R]
         slots = torch.where(slots < 0, scratch, slots)
         self.roots_and_scratch[:scratch].copy_(self.roots)  # read at replay, after V2's post_update
-        tokens = trees_into_slots_(
-            token_ids.view(num_reqs, depth, -1), log_probs.view(num_reqs, depth, -1), self.roots_and_scratch, slots,
-            self.budget, self.tree_parents, self.tree_depths,
-        )  # fmt: skip
-        self.tree_tokens[:num_reqs].copy_(tokens)
+        self.tree_tokens[:num_reqs].copy_(self._trees_into_slots(token_ids, log_probs, self.roots_and_scratch, slots))
+
+    def _trees_into_slots(self, token_ids: torch.Tensor, log_probs: torch.Tensor, roots: torch.Tensor,
+                          slots: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """[R, B + 1] node tokens of the best-`budget` tree of each of the R = len(slots) requests, from its rows of
+        the per-position top-K (`token_ids`, `log_probs`: [>= R * D, K], request-major); parents and depths written
+        to the request's slot, the root read from roots[slot]."""
+        rows, shape = slots.shape[0] * self.depth, (slots.shape[0], self.depth, -1)
+        return trees_into_slots_(token_ids[:rows].view(shape), log_probs[:rows].view(shape), roots, slots, self.budget,
+                                 self.tree_parents, self.tree_depths)  # fmt: skip
 
     @torch.inference_mode()
     def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
@@ -122,19 +126,14 @@ class DDTreeSpeculator(DFlashSpeculator):
                         num_sampled, num_rejected, last_sampled, *args, **kwargs)  # fmt: skip
         self.accepted_path_moves = None
         self.timer.mark("draft")
-        num_reqs, depth = input_batch.num_reqs, self.depth
+        num_reqs = input_batch.num_reqs
         if self.builds_trees_in_graph:
             self.timer.mark("tree_build")
             return self.tree_tokens[:num_reqs, 1:]  # [R, B], built in the pass (V2 copies them at once)
-        rows = num_reqs * depth
-        token_ids = trees_into_slots_(
-            self.top_token_ids[:rows].view(num_reqs, depth, -1),
-            self.top_log_probs[:rows].view(num_reqs, depth, -1),
+        token_ids = self._trees_into_slots(
+            self.top_token_ids, self.top_log_probs,
             last_sampled.view(-1),  # [max_reqs, 1] in 0.26: the root of each request slot
             input_batch.idx_mapping,  # [R] request slots
-            self.budget,
-            self.tree_parents,
-            self.tree_depths,
         )  # fmt: skip
         self.timer.mark("tree_build")
         return token_ids[:, 1:]  # [R, B]
