@@ -60,13 +60,15 @@ def write_models(root: Path) -> tuple[str, str]:
 
 def spec_for(method: str, drafter: str, budget: int, chain_tokens: int | None = None):
     """A method name's speculative config: a "-v1" / "-v2" suffix only picks the model runner
-    (`compat.model_runner_for`); `dflash` and `ddtree` run on vLLM's choice. DDTree gets the node budget, the chain
-    `chain_tokens` drafts (default: the budget)."""
+    (`compat.model_runner_for`); `dflash` and `ddtree` run on vLLM's choice; `ddtree-ingraph` is DDTree with
+    "tree_in_graph": true. DDTree gets the node budget, the chain `chain_tokens` drafts (default: the budget)."""
     from vllm_ddtree.compat import method_without_runner
 
     if method == "none":
         return None
     name = method_without_runner(method)
+    if name == "ddtree-ingraph":
+        return {**spec_for("ddtree", drafter, budget), "tree_in_graph": True}
     tokens = chain_tokens if name == "dflash" and chain_tokens is not None else budget
     return {"method": name, "model": drafter, "num_speculative_tokens": tokens}
 

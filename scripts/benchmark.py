@@ -42,6 +42,20 @@ def methods(
     return out
 
 
+IN_GRAPH_SUFFIX = "-ingraph"  # ddtree-B32-ingraph: "tree_in_graph": true (Model Runner V2)
+
+
+def spec_of_name(name: str, by_name: dict[str, dict | None]):
+    """The speculative config of a --methods name: a `methods` name, optionally + IN_GRAPH_SUFFIX (DDTree only),
+    optionally + a runner suffix (-v1 / -v2, `compat.model_runner_for`); KeyError (the class) for unknown names."""
+    from vllm_ddtree.compat import method_without_runner
+
+    base = method_without_runner(name)
+    in_graph = base.endswith(IN_GRAPH_SUFFIX) and base.startswith("ddtree-")
+    spec = by_name.get(base.removesuffix(IN_GRAPH_SUFFIX) if in_graph else base, KeyError)
+    return {**spec, "tree_in_graph": True} if in_graph and spec is not KeyError else spec
+
+
 def parse_cpus(text: str) -> set[int]:
     """"0-3,8" -> {0, 1, 2, 3, 8} (taskset's list form)."""
     cpus: set[int] = set()
@@ -404,7 +418,7 @@ def load_prompts(args, tokenizer) -> list:
 def main() -> None:
     from tqdm import tqdm
 
-    from vllm_ddtree.compat import method_without_runner, shutdown_llm
+    from vllm_ddtree.compat import shutdown_llm
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", help="Hugging Face folder of the target (required unless --plot-from)")
@@ -474,11 +488,12 @@ def main() -> None:
     plan = methods(args.drafter, block_size, args.budgets, args.schedules)
     if args.methods:  # in the order asked for (a call cut by its time limit keeps the first ones)
         by_name = dict(plan)
-        unknown = [m for m in args.methods if m not in by_name and method_without_runner(m) not in by_name]
+        unknown = [m for m in args.methods if spec_of_name(m, by_name) is KeyError]
         if unknown:
-            parser.error(f"unknown --methods {unknown}; known: {list(by_name)} with an optional -v2 suffix for "
-                         "DDTree on Model Runner V2 (budgets come from --budgets)")
-        plan = [(m, by_name.get(m, by_name.get(method_without_runner(m)))) for m in args.methods]
+            parser.error(f"unknown --methods {unknown}; known: {list(by_name)} with an optional {IN_GRAPH_SUFFIX} "
+                         "suffix for DDTree's tree build inside the drafter's graph, then an optional -v1 / -v2 "
+                         "suffix for the model runner (budgets come from --budgets)")
+        plan = [(m, spec_of_name(m, by_name)) for m in args.methods]
     rows: list[dict] = []  # one per (method, temperature, batch, round)
     greedy_tokens: dict[str, list[list[int]]] = {}  # T = 0 answers by greedy_key, for `greedy_agreement`
     if args.resume and (out / "results.json").is_file():

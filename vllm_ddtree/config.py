@@ -61,6 +61,8 @@ class DDTreeConfig:
     max_topk: int | None = None
     # Cap on the tree depth (None: the drafter's block size - 1).
     max_depth: int | None = None
+    # Experimental (Model Runner V2): build the tree inside the drafter's CUDA graph (speculator_v2.py).
+    tree_in_graph: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,7 +104,7 @@ def _positive_int(key: str, value: Any, upper: int | None = None) -> int:
 def split_ddtree_config(spec: dict[str, Any]) -> tuple[dict[str, Any], DDTreeConfig]:
     """Split a `{"method": "ddtree", ...}` dict into vLLM's DFlash dict and the DDTree settings."""
     assert spec.get("method") == METHOD
-    ddtree_keys = {"max_topk", "max_depth"}
+    ddtree_keys = {"max_topk", "max_depth", "tree_in_graph"}
     unknown = sorted(set(spec) - _PASSTHROUGH_KEYS - ddtree_keys - set(_UNSUPPORTED_KEYS) - {"method"})
     if unknown:
         raise ValueError(
@@ -127,10 +129,17 @@ def split_ddtree_config(spec: dict[str, Any]) -> tuple[dict[str, Any], DDTreeCon
         _check_budget_schedule(spec["num_speculative_tokens_per_batch_size"], budget)
     max_topk = spec.get("max_topk")
     max_depth = spec.get("max_depth")
+    tree_in_graph = spec.get("tree_in_graph", False)
+    if not isinstance(tree_in_graph, bool):
+        raise ValueError(
+            f"speculative_config['tree_in_graph'] must be true or false, got {tree_in_graph!r} "
+            f"({type(tree_in_graph).__name__})."
+        )
     ddtree = DDTreeConfig(
         budget=budget,
         max_topk=None if max_topk is None else _positive_int("max_topk", max_topk),
         max_depth=None if max_depth is None else _positive_int("max_depth", max_depth),
+        tree_in_graph=tree_in_graph,
     )
     dflash = {k: v for k, v in spec.items() if k in _PASSTHROUGH_KEYS}
     dflash["method"] = "dflash"

@@ -156,6 +156,11 @@ def install_runner_hooks() -> None:
             settings["depth"],
             settings["max_topk"],
         )
+        if settings.get("tree_in_graph"):
+            logger.warning(
+                "DDTree: \"tree_in_graph\": true has no effect on the V1 model runner (it builds the tree after "
+                "the drafter's pass); Model Runner V2 builds it inside (VLLM_DDTREE_RUNNER=v2)."
+            )
 
     @hook(GPUModelRunner, "initialize_kv_cache")
     def initialize_kv_cache(original, self, *args, **kwargs):

@@ -138,8 +138,9 @@ def install_v2_runner_hooks() -> None:
         from vllm_ddtree.speculator_v2 import DDTreeSpeculator
 
         return DDTreeSpeculator(
-            vllm_config, device, budget=settings["budget"], depth=settings["depth"], max_topk=settings["max_topk"]
-        )
+            vllm_config, device, budget=settings["budget"], depth=settings["depth"], max_topk=settings["max_topk"],
+            tree_in_graph=settings.get("tree_in_graph", False),
+        )  # fmt: skip
 
     module.init_speculator = init_speculator
 
@@ -161,11 +162,11 @@ def install_v2_runner_hooks() -> None:
         self._ddtree.uniform_layouts = UniformStepLayouts(self._ddtree.width, self.device)
         if self.speculator is not None:  # None on pipeline stages before the last
             self.speculator.timer = self._ddtree.timer
-            if self.speculator.tree_in_graph:  # VLLM_DDTREE_TREE_IN_GRAPH=1: the roots, before any capture
+            if self.speculator.tree_in_graph:  # "tree_in_graph": true: V2's roots buffer, before any capture
                 from vllm_ddtree.compat import v2_last_sampled_tokens
 
                 self.speculator.roots = v2_last_sampled_tokens(self)
-                logger.info("DDTree: the tree build runs inside the drafter's pass (VLLM_DDTREE_TREE_IN_GRAPH=1)")
+                logger.info("DDTree: the tree build runs inside the drafter's pass (\"tree_in_graph\": true)")
         logger.info(
             "DDTree on Model Runner V2: node budget %d, tree depth %d, max top-k per depth %s",
             settings["budget"], settings["depth"], settings["max_topk"],

@@ -11,15 +11,14 @@ Two things change:
 Before the pass the accepted path's context rows move to the front of each request (`accepted_path_moves`, set
 by the verifier), so DFlash's own "first num_sampled rows are the new context" rule reads root + path.
 
-Experimental, off by default (`VLLM_DDTREE_TREE_IN_GRAPH=1`): the tree build runs inside `sample_draft`, so in
-the drafter's FULL graph, and costs no host time at replay (~0.1 ms a step on the H200, session 22's profile).
+Experimental, off by default (speculative-config key `"tree_in_graph": true`): the tree build runs inside
+`sample_draft`, so in the drafter's FULL graph, and costs no host time at replay (~0.1 ms a step on the H200,
+session 22's profile).
 Request slots come from V2's `sample_idx_mapping` rows (-1 for the graph's padding requests, whose trees go to a
 scratch slot), roots from `req_states.last_sampled_tokens` (handed over by the runner hook before capture).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -31,15 +30,11 @@ from vllm_ddtree.verify.scorer import move_rows_
 
 DFlashSpeculator = v2_dflash_speculator_class()
 _NO_TIMER = step_timer(torch.device("cpu"))  # a no-op until the runner sets its own
-TREE_IN_GRAPH_ENV = "VLLM_DDTREE_TREE_IN_GRAPH"
-
-
-def tree_build_in_graph_requested() -> bool:
-    return os.environ.get(TREE_IN_GRAPH_ENV, "0") == "1"
 
 
 class DDTreeSpeculator(DFlashSpeculator):
-    def __init__(self, vllm_config, device: torch.device, budget: int, depth: int, max_topk: int | None):
+    def __init__(self, vllm_config, device: torch.device, budget: int, depth: int, max_topk: int | None,
+                 tree_in_graph: bool = False):  # fmt: skip
         super().__init__(drafting_config(vllm_config, depth), device)
         self.draft_logits = None  # the tree verifier needs no draft distributions
         self.budget = budget
@@ -59,8 +54,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         # (src, dst) token moves of this step's accepted paths, set by the verifier.
         self.accepted_path_moves: tuple[torch.Tensor, torch.Tensor] | None = None
         self.timer = _NO_TIMER  # the runner's profiling.StepTimer (runner_v2)
-        # In-graph tree build (VLLM_DDTREE_TREE_IN_GRAPH=1): on once the runner hands over V2's roots buffer.
-        self.tree_in_graph = tree_build_in_graph_requested()
+        # In-graph tree build ("tree_in_graph": true): on once the runner hands over V2's roots buffer.
+        self.tree_in_graph = tree_in_graph
         self.roots: torch.Tensor | None = None  # [max_reqs] V2's last_sampled_tokens (runner_v2)
         self.roots_and_scratch = torch.zeros(self.max_num_reqs + 1, dtype=torch.int64, device=device)
         self.tree_tokens = torch.zeros((self.max_num_reqs, width), dtype=torch.int64, device=device)

@@ -94,3 +94,18 @@ def test_backend_rows_option_keeps_greedy_output(models, baseline, greedy_params
     result = run(target, spec, prompts(), greedy_params)
     assert result.token_ids == baseline.token_ids
     check_spec_metrics(result, budget, depth=block_size - 1)
+
+
+@pytest.mark.parametrize("block_size,budget", [(16, 15), (4, 17)])
+def test_tree_in_graph_keeps_greedy_output(models, baseline, greedy_params, block_size, budget):
+    """"tree_in_graph": true (experimental, Model Runner V2): the tree build inside the drafter's CUDA graph, with
+    request slots from the graph's own inputs, gives plain vLLM's tokens too."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("Model Runner V2 only (the GPU build); the CPU build runs the V1 runner, where the key does nothing")
+    target, drafters = models
+    spec = {"method": "ddtree", "model": drafters[block_size], "num_speculative_tokens": budget, "tree_in_graph": True}
+    result = run(target, spec, prompts(), greedy_params)
+    assert result.token_ids == baseline.token_ids
+    check_spec_metrics(result, budget, depth=block_size - 1)

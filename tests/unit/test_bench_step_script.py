@@ -39,6 +39,8 @@ def test_the_chain_drafts_its_own_count_while_ddtree_takes_the_budget():
                                                                 "num_speculative_tokens": 15}
     assert spec_for("dflash", "D", 15)["num_speculative_tokens"] == 15  # default: the budget
     assert spec_for("none", "D", 64, chain_tokens=15) is None
+    assert spec_for("ddtree-ingraph-v2", "D", 64, chain_tokens=15) == {
+        "method": "ddtree", "model": "D", "num_speculative_tokens": 64, "tree_in_graph": True}
 
 
 def test_every_verification_step_of_the_profile_gets_a_full_graph_size(tmp_path):

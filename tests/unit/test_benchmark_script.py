@@ -85,6 +85,21 @@ def test_schedules_become_ddtree_methods():
     }
 
 
+def test_method_names_take_the_in_graph_and_runner_suffixes():
+    bench = load_benchmark()
+    by_name = dict(bench.methods("/d", 16, [32]))
+    b32 = {"method": "ddtree", "model": "/d", "num_speculative_tokens": 32}
+    assert bench.spec_of_name("ddtree-B32", by_name) == b32
+    assert bench.spec_of_name("ddtree-B32-v2", by_name) == b32
+    assert bench.spec_of_name("ddtree-B32-ingraph", by_name) == {**b32, "tree_in_graph": True}
+    assert bench.spec_of_name("ddtree-B32-ingraph-v2", by_name) == {**b32, "tree_in_graph": True}
+    assert "tree_in_graph" not in by_name["ddtree-B32"]  # the plan's own spec is not changed
+    assert bench.spec_of_name("none", by_name) is None
+    assert bench.spec_of_name("dflash-v1", by_name) == by_name["dflash"]
+    for unknown in ["dflash-ingraph", "ddtree-B16", "ddtree-B32-v2-ingraph", "none-ingraph"]:
+        assert bench.spec_of_name(unknown, by_name) is KeyError, unknown
+
+
 def test_fastest_by_batch_names_the_best_budget_against_chain_and_none():
     bench = load_benchmark()
     speed = {("none", 1): 100, ("dflash", 1): 120, ("ddtree-B64", 1): 160, ("ddtree-B16", 1): 130,

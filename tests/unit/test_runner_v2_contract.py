@@ -356,7 +356,7 @@ def test_chain_profile_marks_the_phases_ddtree_marks_and_passes_everything_throu
 
 
 def test_in_graph_tree_build_gives_the_trees_built_after_the_pass(monkeypatch):
-    """VLLM_DDTREE_TREE_IN_GRAPH=1: the tree build runs inside `sample_draft` (the drafter's graph), with each row's
+    """"tree_in_graph": true: the tree build runs inside `sample_draft` (the drafter's graph), with each row's
     request slot from V2's sample_idx_mapping and the roots from V2's last_sampled buffer. The trees, slot rows and
     returned nodes equal the build after the pass; the graph's padding requests (slot -1) write only the scratch
     slot."""
