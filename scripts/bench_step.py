@@ -58,19 +58,29 @@ def write_models(root: Path) -> tuple[str, str]:
     return str(target), str(drafter)
 
 
-def spec_for(method: str, drafter: str, budget: int, chain_tokens: int | None = None):
-    """A method name's speculative config: a "-v1" / "-v2" suffix only picks the model runner
-    (`compat.model_runner_for`); `dflash` and `ddtree` run on vLLM's choice; `ddtree-ingraph` is DDTree with
-    "tree_in_graph": true. DDTree gets the node budget, the chain `chain_tokens` drafts (default: the budget)."""
-    from vllm_ddtree.compat import method_without_runner
+def benchmark_script():
+    """scripts/benchmark.py, this script's neighbour: capture sizes and method names come from there."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import benchmark
 
-    if method == "none":
-        return None
-    name = method_without_runner(method)
-    if name == "ddtree-ingraph":
-        return {**spec_for("ddtree", drafter, budget), "tree_in_graph": True}
-    tokens = chain_tokens if name == "dflash" and chain_tokens is not None else budget
-    return {"method": name, "model": drafter, "num_speculative_tokens": tokens}
+    return benchmark
+
+
+def spec_for(method: str, drafter: str, budget: int, chain_tokens: int | None = None):
+    """A method name's speculative config: `none`, `dflash` or `ddtree`, DDTree's with `benchmark.py`'s switch
+    suffixes (`ddtree-ingraph-layoutgraph`), all with an optional "-v1" / "-v2" suffix that only picks the model
+    runner (`compat.model_runner_for`). DDTree gets the node budget, the chain `chain_tokens` drafts (default: the
+    budget)."""
+    spec_of_name = benchmark_script().spec_of_name
+    chain_drafts = budget if chain_tokens is None else chain_tokens
+    chain = {"method": "dflash", "model": drafter, "num_speculative_tokens": chain_drafts}
+    ddtree = {"method": "ddtree", "model": drafter, "num_speculative_tokens": budget}
+    spec = spec_of_name(method, {"none": None, "dflash": chain, "ddtree": ddtree})
+    if spec is KeyError:
+        raise ValueError(f"unknown method {method!r}: none, dflash or ddtree (+ benchmark.SWITCH_SUFFIXES), + -v1/-v2")
+    return spec
 
 
 def num_drafts(llm) -> int:
@@ -135,8 +145,7 @@ def graph_capture_sizes(spec: dict | None, max_num_seqs: int, drafter: str | Non
     """`benchmark.py`'s capture sizes, so every uniform verification step replays a FULL graph. Powers of two alone
     left a batch-1 step of B = 64 (65 tokens, bucket 128) piecewise with tree attention eager: session 21's batch-1
     profile ran 23 of its 24 DDTree steps so (11 ms a step)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from benchmark import capture_sizes, drafts_by_batch_size
+    capture_sizes, drafts_by_batch_size = benchmark_script().capture_sizes, benchmark_script().drafts_by_batch_size
 
     block_size = 0  # no drafter graphs without speculation
     if spec is not None and drafter is not None:

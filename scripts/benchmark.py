@@ -42,18 +42,23 @@ def methods(
     return out
 
 
-IN_GRAPH_SUFFIX = "-ingraph"  # ddtree-B32-ingraph: "tree_in_graph": true (Model Runner V2)
+# DDTree's switch keys by method-name suffix: ddtree-B32-ingraph-layoutgraph sets both (Model Runner V2).
+SWITCH_SUFFIXES = {"-ingraph": "tree_in_graph", "-layoutgraph": "layout_in_graph"}
 
 
 def spec_of_name(name: str, by_name: dict[str, dict | None]):
-    """The speculative config of a --methods name: a `methods` name, optionally + IN_GRAPH_SUFFIX (DDTree only),
-    optionally + a runner suffix (-v1 / -v2, `compat.model_runner_for`); KeyError (the class) for unknown names."""
+    """The speculative config of a --methods name: a `methods` name, then (DDTree only) any SWITCH_SUFFIXES, then
+    optionally a runner suffix (-v1 / -v2, `compat.model_runner_for`); KeyError (the class) for unknown names."""
     from vllm_ddtree.compat import method_without_runner
 
-    base = method_without_runner(name)
-    in_graph = base.endswith(IN_GRAPH_SUFFIX) and base.startswith("ddtree-")
-    spec = by_name.get(base.removesuffix(IN_GRAPH_SUFFIX) if in_graph else base, KeyError)
-    return {**spec, "tree_in_graph": True} if in_graph and spec is not KeyError else spec
+    base, switches = method_without_runner(name), {}
+    while base.startswith("ddtree-") and base not in by_name:
+        suffix = next((s for s in SWITCH_SUFFIXES if base.endswith(s) and SWITCH_SUFFIXES[s] not in switches), None)
+        if suffix is None:
+            break
+        base, switches[SWITCH_SUFFIXES[suffix]] = base.removesuffix(suffix), True
+    spec = by_name.get(base, KeyError)
+    return {**spec, **switches} if switches and spec is not KeyError else spec
 
 
 def parse_cpus(text: str) -> set[int]:
@@ -490,9 +495,9 @@ def main() -> None:
         by_name = dict(plan)
         unknown = [m for m in args.methods if spec_of_name(m, by_name) is KeyError]
         if unknown:
-            parser.error(f"unknown --methods {unknown}; known: {list(by_name)} with an optional {IN_GRAPH_SUFFIX} "
-                         "suffix for DDTree's tree build inside the drafter's graph, then an optional -v1 / -v2 "
-                         "suffix for the model runner (budgets come from --budgets)")
+            parser.error(f"unknown --methods {unknown}; known: {list(by_name)}; DDTree's take the suffixes "
+                         f"{SWITCH_SUFFIXES} (speculative-config switches), then all take an optional -v1 / -v2 "
+                         "for the model runner (budgets come from --budgets)")
         plan = [(m, spec_of_name(m, by_name)) for m in args.methods]
     rows: list[dict] = []  # one per (method, temperature, batch, round)
     greedy_tokens: dict[str, list[list[int]]] = {}  # T = 0 answers by greedy_key, for `greedy_agreement`

@@ -52,6 +52,10 @@ _UNSUPPORTED_KEYS = {
 }
 
 
+# DDTree's true/false keys (experimental host-time cuts, Model Runner V2 only).
+_SWITCH_KEYS = ("tree_in_graph", "layout_in_graph")
+
+
 @dataclass(frozen=True)
 class DDTreeConfig:
     """The tree's knobs. `budget` is B: draft nodes verified per step besides the root."""
@@ -63,6 +67,9 @@ class DDTreeConfig:
     max_depth: int | None = None
     # Experimental (Model Runner V2): build the tree inside the drafter's CUDA graph (speculator_v2.py).
     tree_in_graph: bool = False
+    # Experimental (Model Runner V2): lay out uniform verification steps inside the target's FULL CUDA graphs
+    # (verify/step.py, GraphStepLayouts).
+    layout_in_graph: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,7 +111,7 @@ def _positive_int(key: str, value: Any, upper: int | None = None) -> int:
 def split_ddtree_config(spec: dict[str, Any]) -> tuple[dict[str, Any], DDTreeConfig]:
     """Split a `{"method": "ddtree", ...}` dict into vLLM's DFlash dict and the DDTree settings."""
     assert spec.get("method") == METHOD
-    ddtree_keys = {"max_topk", "max_depth", "tree_in_graph"}
+    ddtree_keys = {"max_topk", "max_depth", *_SWITCH_KEYS}
     unknown = sorted(set(spec) - _PASSTHROUGH_KEYS - ddtree_keys - set(_UNSUPPORTED_KEYS) - {"method"})
     if unknown:
         raise ValueError(
@@ -129,17 +136,16 @@ def split_ddtree_config(spec: dict[str, Any]) -> tuple[dict[str, Any], DDTreeCon
         _check_budget_schedule(spec["num_speculative_tokens_per_batch_size"], budget)
     max_topk = spec.get("max_topk")
     max_depth = spec.get("max_depth")
-    tree_in_graph = spec.get("tree_in_graph", False)
-    if not isinstance(tree_in_graph, bool):
-        raise ValueError(
-            f"speculative_config['tree_in_graph'] must be true or false, got {tree_in_graph!r} "
-            f"({type(tree_in_graph).__name__})."
-        )
+    for key in _SWITCH_KEYS:
+        if not isinstance(spec.get(key, False), bool):
+            raise ValueError(
+                f"speculative_config[{key!r}] must be true or false, got {spec[key]!r} ({type(spec[key]).__name__})."
+            )
     ddtree = DDTreeConfig(
         budget=budget,
         max_topk=None if max_topk is None else _positive_int("max_topk", max_topk),
         max_depth=None if max_depth is None else _positive_int("max_depth", max_depth),
-        tree_in_graph=tree_in_graph,
+        **{key: spec.get(key, False) for key in _SWITCH_KEYS},
     )
     dflash = {k: v for k, v in spec.items() if k in _PASSTHROUGH_KEYS}
     dflash["method"] = "dflash"

@@ -156,11 +156,12 @@ def install_runner_hooks() -> None:
             settings["depth"],
             settings["max_topk"],
         )
-        if settings.get("tree_in_graph"):
-            logger.warning(
-                "DDTree: \"tree_in_graph\": true has no effect on the V1 model runner (it builds the tree after "
-                "the drafter's pass); Model Runner V2 builds it inside (VLLM_DDTREE_RUNNER=v2)."
-            )
+        for key in ("tree_in_graph", "layout_in_graph"):
+            if settings.get(key):
+                logger.warning(
+                    "DDTree: \"%s\": true has no effect on the V1 model runner; Model Runner V2 has it "
+                    "(VLLM_DDTREE_RUNNER=v2).", key,
+                )  # fmt: skip
 
     @hook(GPUModelRunner, "initialize_kv_cache")
     def initialize_kv_cache(original, self, *args, **kwargs):

@@ -24,7 +24,13 @@ from vllm_ddtree import config as ddtree_config
 from vllm_ddtree.attention.layers import wrap_target_layers
 from vllm_ddtree.attention.metadata import TreeAttentionMetadataBuilder, dummy_tree_step, tree_attention_builder
 from vllm_ddtree.runner import configure_cuda_graphs, hook
-from vllm_ddtree.verify.step import TreeStep, UniformStepLayouts, build_tree_step, build_uniform_tree_step
+from vllm_ddtree.verify.step import (
+    GraphStepLayouts,
+    TreeStep,
+    UniformStepLayouts,
+    build_tree_step,
+    build_uniform_tree_step,
+)
 
 
 CHAIN_PROFILE_ENV = "VLLM_DDTREE_PROFILE_CHAIN"
@@ -42,6 +48,11 @@ class DDTreeV2State:
     block_tables: object = None  # V2's BlockTables: slot_mappings [num_groups, max_tokens]
     timer: object = None  # profiling.StepTimer when VLLM_DDTREE_PROFILE is set, else a no-op
     uniform_layouts: UniformStepLayouts | None = None  # per-batch-size constants of uniform steps
+    # "layout_in_graph": true: uniform steps laid out inside the target's FULL graphs; a uniform step's layout
+    # waits (`deferred`: build_uniform_tree_step's arguments) until the graph mode is known (model_state.prepare_attn)
+    graph_layouts: GraphStepLayouts | None = None
+    deferred: tuple | None = None
+    step_in_graph: bool = False  # this step's layout and tree inputs are written by the graph it replays
 
     @property
     def width(self) -> int:
@@ -160,6 +171,10 @@ def install_v2_runner_hooks() -> None:
         self._ddtree = DDTreeV2State(budget=settings["budget"], depth=settings["depth"])
         self._ddtree.timer = step_timer(self.device)
         self._ddtree.uniform_layouts = UniformStepLayouts(self._ddtree.width, self.device)
+        if settings.get("layout_in_graph"):
+            self._ddtree.graph_layouts = GraphStepLayouts(self._ddtree.uniform_layouts, self.max_num_reqs, self.device)
+            logger.info("DDTree: uniform verification steps are laid out inside the target's FULL CUDA graphs "
+                        "(\"layout_in_graph\": true)")  # fmt: skip
         if self.speculator is not None:  # None on pipeline stages before the last
             self.speculator.timer = self._ddtree.timer
             if self.speculator.tree_in_graph:  # "tree_in_graph": true: V2's roots buffer, before any capture
@@ -181,6 +196,8 @@ def install_v2_runner_hooks() -> None:
 
             self.rejection_sampler = TreeVerifier(self.sampler, state, self.speculator)
             _wrap_model_state_prepare_attn(self.model_state, state, self.device)
+            if state.graph_layouts is not None:
+                _lay_out_steps_in_target_graphs(self.model, state, self.speculator)
         elif self._chain_timer is not None and self.rejection_sampler is not None:
             _mark_chain_phases(self, self._chain_timer)
         return result
@@ -202,11 +219,20 @@ def install_v2_runner_hooks() -> None:
             _log_cuda_graph_coverage(self.compilation_config, drafts, state.width, logger)
         return result
 
+    @hook(runner_cls, "capture_model")
+    def capture_model(original, self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if self._ddtree is not None and self._ddtree.graph_layouts is not None:
+                self._ddtree.graph_layouts.capturing = None
+
     @hook(runner_cls, "execute_model")
     def execute_model(original, self, *args, **kwargs):
         state = self._ddtree
         if state is not None:
-            state.step = None  # set again by prepare_attn on real steps with drafts
+            state.step = state.deferred = None  # set again by prepare_attn on real steps with drafts
+            state.step_in_graph = False
         timer = state.timer if state is not None else self._chain_timer
         if timer is not None:
             timer.end_step()
@@ -228,16 +254,20 @@ def install_v2_runner_hooks() -> None:
         elif state is not None:
             speculator = self.speculator
             if num_drafts.min() == num_drafts.max() > 0:  # the decode steps: nothing from the host
-                state.step = build_uniform_tree_step(
+                uniform = (
                     state.uniform_layouts,
                     input_batch.num_reqs,
                     input_batch.logits_indices,
                     speculator.tree_parents,
                     speculator.tree_depths,
                     input_batch.idx_mapping,  # the trees are kept by request slot
-                    positions=input_batch.positions,  # tree positions: root + depth
-                    num_nodes=int(num_drafts[0]) + 1,  # < B + 1 under num_speculative_tokens_per_batch_size
+                    input_batch.positions,  # tree positions: root + depth
+                    int(num_drafts[0]) + 1,  # < B + 1 under num_speculative_tokens_per_batch_size
                 )
+                if state.graph_layouts is not None:
+                    state.deferred = uniform  # laid out by its FULL graph, if it replays one
+                else:
+                    state.step = build_uniform_tree_step(*uniform)
             else:
                 state.step = build_tree_step(
                     num_drafts.tolist(),
@@ -304,19 +334,55 @@ def _wrap_model_state_prepare_attn(model_state, state: DDTreeV2State, device: to
         builder = state.attention
         if builder is None or metadata is None:
             return metadata
+        mode = kwargs.get("cudagraph_mode", args[0] if args else None)
+        if state.deferred is not None and not for_capture:
+            _lay_out_deferred_step(state, mode, builder.backend_metadata_of(metadata))
         if state.step is not None and not for_capture:
-            mode = kwargs.get("cudagraph_mode", args[0] if args else None)
             state.timer.count(f"target_cudagraph_{getattr(mode, 'name', mode)}")  # FULL expected for uniform steps
             state.timer.mark("vllm_attention_metadata")
-            builder.attach(state.step, metadata)
+            if not state.step_in_graph:  # else the graph writes the tree inputs itself
+                builder.attach(state.step, metadata)
             state.timer.mark("tree_attention_metadata")
         elif for_capture and builder.persistent is not None:
             num_nodes = uniform_verification_nodes(input_batch, state.width)
             if num_nodes is not None:  # a uniform verification batch's FULL graph: capture tree attention in it
                 builder.attach(dummy_tree_step(input_batch.num_reqs, num_nodes, state.width, device), metadata)
+            if state.graph_layouts is not None:  # and its steps' layout, at the start of the target's forward
+                backend = builder.backend_metadata_of(metadata)
+                capture = num_nodes is not None and backend is not None
+                state.graph_layouts.capturing = (num_nodes, backend.seq_lens) if capture else None
         return metadata
 
     model_state.prepare_attn = prepare_attn
 
 
 __all__ = ["DDTreeV2State", "install_v2_runner_hooks"]
+
+
+def _lay_out_deferred_step(state: DDTreeV2State, mode, backend_metadata) -> None:
+    """A uniform step's layout once its graph mode is known: written by the FULL graph it replays if that graph
+    lays out its steps (`GraphStepLayouts`), else on the host path (`build_uniform_tree_step`)."""
+    uniform, state.deferred = state.deferred, None
+    layouts, num_reqs, _, _, _, slots, _, num_nodes = uniform
+    if getattr(mode, "name", None) == "FULL" and backend_metadata is not None:
+        padded = backend_metadata.seq_lens.shape[0]
+        state.step = state.graph_layouts.step(num_reqs, padded, num_nodes, slots)
+        state.step_in_graph = state.step is not None
+    if state.step is None:
+        state.step = build_uniform_tree_step(*uniform)
+
+
+def _lay_out_steps_in_target_graphs(model, state: DDTreeV2State, speculator) -> None:
+    """"layout_in_graph": true. The target's forward first lays out the step (`GraphStepLayouts.write_inputs_`)
+    while a uniform verification batch's FULL graph is captured (and in its warm-up run), so every replay of that
+    graph writes its own step's parents, depths, positions and tree-attention inputs from the slots copied in."""
+    forward = model.forward
+
+    def forward_laying_out_tree_step(*args, **kwargs):
+        layouts, positions = state.graph_layouts, kwargs.get("positions")
+        if layouts.capturing is not None and positions is not None and state.attention.persistent is not None:
+            tree_inputs = state.attention.persistent
+            layouts.write_inputs_(positions, speculator.tree_parents, speculator.tree_depths, tree_inputs)
+        return forward(*args, **kwargs)
+
+    model.forward = forward_laying_out_tree_step

@@ -96,16 +96,20 @@ def test_backend_rows_option_keeps_greedy_output(models, baseline, greedy_params
     check_spec_metrics(result, budget, depth=block_size - 1)
 
 
-@pytest.mark.parametrize("block_size,budget", [(16, 15), (4, 17)])
-def test_tree_in_graph_keeps_greedy_output(models, baseline, greedy_params, block_size, budget):
-    """"tree_in_graph": true (experimental, Model Runner V2): the tree build inside the drafter's CUDA graph, with
-    request slots from the graph's own inputs, gives plain vLLM's tokens too."""
+@pytest.mark.parametrize(
+    "block_size,budget,switches",
+    [(16, 15, ["tree_in_graph"]), (4, 17, ["layout_in_graph"]), (16, 31, ["tree_in_graph", "layout_in_graph"])],
+)
+def test_in_graph_switches_keep_greedy_output(models, baseline, greedy_params, block_size, budget, switches):
+    """The experimental host-time cuts of Model Runner V2: the tree build inside the drafter's CUDA graph
+    ("tree_in_graph") and the step layout inside the target's ("layout_in_graph"), each taking its inputs from the
+    graphs' own fixed-address buffers, give plain vLLM's tokens too."""
     import torch
 
     if not torch.cuda.is_available():
-        pytest.skip("Model Runner V2 only (the GPU build); the CPU build runs the V1 runner, where the key does nothing")
+        pytest.skip("Model Runner V2 only (the GPU build); the CPU build runs the V1 runner, where the keys do nothing")
     target, drafters = models
-    spec = {"method": "ddtree", "model": drafters[block_size], "num_speculative_tokens": budget, "tree_in_graph": True}
-    result = run(target, spec, prompts(), greedy_params)
+    spec = {"method": "ddtree", "model": drafters[block_size], "num_speculative_tokens": budget}
+    result = run(target, {**spec, **{key: True for key in switches}}, prompts(), greedy_params)
     assert result.token_ids == baseline.token_ids
     check_spec_metrics(result, budget, depth=block_size - 1)

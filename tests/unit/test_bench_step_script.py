@@ -3,6 +3,8 @@ Python profile."""
 
 from types import SimpleNamespace
 
+import pytest
+
 from test_benchmark_script import load_script
 
 
@@ -41,6 +43,9 @@ def test_the_chain_drafts_its_own_count_while_ddtree_takes_the_budget():
     assert spec_for("none", "D", 64, chain_tokens=15) is None
     assert spec_for("ddtree-ingraph-v2", "D", 64, chain_tokens=15) == {
         "method": "ddtree", "model": "D", "num_speculative_tokens": 64, "tree_in_graph": True}
+    assert spec_for("ddtree-ingraph-layoutgraph", "D", 8)["layout_in_graph"] is True
+    with pytest.raises(ValueError, match="unknown method 'ddtree-B8'"):
+        spec_for("ddtree-B8", "D", 8)
 
 
 def test_every_verification_step_of_the_profile_gets_a_full_graph_size(tmp_path):

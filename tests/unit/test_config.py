@@ -10,14 +10,16 @@ def spec(**extra):
 
 
 def test_split_passes_vllm_keys_and_keeps_tree_knobs():
-    dflash, ddtree = split_ddtree_config(spec(max_topk=4, max_depth=6, tree_in_graph=True, max_model_len=128))
+    dflash, ddtree = split_ddtree_config(spec(max_topk=4, max_depth=6, tree_in_graph=True, layout_in_graph=True,
+                                              max_model_len=128))  # fmt: skip
     assert dflash == {"method": "dflash", "model": "/drafter", "num_speculative_tokens": 15, "max_model_len": 128}
-    assert ddtree == DDTreeConfig(budget=15, max_topk=4, max_depth=6, tree_in_graph=True)
+    assert ddtree == DDTreeConfig(budget=15, max_topk=4, max_depth=6, tree_in_graph=True, layout_in_graph=True)
 
 
 def test_defaults():
     _, ddtree = split_ddtree_config(spec())
-    assert ddtree.max_topk is None and ddtree.max_depth is None and ddtree.tree_in_graph is False
+    assert ddtree.max_topk is None and ddtree.max_depth is None and not ddtree.tree_in_graph
+    assert not ddtree.layout_in_graph
     assert ddtree.depth_for(block_size=16) == 15
     assert DDTreeConfig(budget=3, max_depth=4).depth_for(block_size=16) == 4
 
@@ -47,10 +49,11 @@ def test_bad_knobs(key):
         split_ddtree_config(spec(**{key: 0}))
 
 
+@pytest.mark.parametrize("key", ["tree_in_graph", "layout_in_graph"])
 @pytest.mark.parametrize("value", [1, "true", None])
-def test_tree_in_graph_must_be_a_bool(value):
-    with pytest.raises(ValueError, match=r"'tree_in_graph'\] must be true or false, got " + repr(value)):
-        split_ddtree_config(spec(tree_in_graph=value))
+def test_switches_must_be_bools(key, value):
+    with pytest.raises(ValueError, match=rf"'{key}'\] must be true or false, got " + repr(value)):
+        split_ddtree_config(spec(**{key: value}))
 
 
 @pytest.mark.parametrize(

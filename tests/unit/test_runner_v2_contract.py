@@ -396,3 +396,92 @@ def test_in_graph_tree_build_gives_the_trees_built_after_the_pass(monkeypatch):
     assert torch.equal(spec.tree_parents[[4, 1]], want.parents) and torch.equal(spec.tree_depths[[4, 1]], want.depths)
     assert (spec.tree_parents[[0, 2, 3, 5]] == -7).all()  # other live slots untouched
     assert (spec.tree_parents[max_reqs] != -7).any()  # the padding request's tree went to the scratch slot
+
+
+@pytest.mark.parametrize("num_nodes", [7, 4])  # the whole tree (B = 6), and the first 4 nodes of each
+def test_layout_in_graph_writes_what_the_host_path_writes(num_nodes):
+    """"layout_in_graph": true. While a uniform verification batch's FULL graph is captured, the target's forward
+    first lays out the step from fixed-address buffers (`GraphStepLayouts`); a step that replays that graph only
+    copies its request slots in. Replaying (here: running the same forward again) gives the TreeStep, positions and
+    tree-attention inputs of the host path (`build_uniform_tree_step` + the metadata builder); padding requests get
+    zero masks and node counts. Other graph modes and shapes keep the host path."""
+    from vllm_ddtree.attention.metadata import ATTRIBUTE, PersistentTreeBuffers, TreeAttentionMetadataBuilder
+    from vllm_ddtree.runner_v2 import DDTreeV2State, _lay_out_steps_in_target_graphs, _wrap_model_state_prepare_attn
+    from vllm_ddtree.tree import build_draft_tree
+    from vllm_ddtree.verify.step import GraphStepLayouts, UniformStepLayouts, build_uniform_tree_step
+
+    FULL, PIECEWISE = SimpleNamespace(name="FULL"), SimpleNamespace(name="PIECEWISE")  # V2's CUDAGraphMode
+    budget, max_reqs, num_reqs, padded = 6, 8, 3, 4
+    width, cpu = budget + 1, torch.device("cpu")
+    gen = torch.Generator().manual_seed(5)
+    kept = build_draft_tree(torch.randn(max_reqs + 1, 4, 20, generator=gen) * 2, torch.arange(max_reqs + 1), budget)
+    speculator = SimpleNamespace(tree_parents=kept.parents, tree_depths=kept.depths)  # [max_reqs + 1, N] by slot
+    slots = torch.tensor([5, 0, 2], dtype=torch.int32)  # V2's idx_mapping
+
+    def new_state():
+        state = DDTreeV2State(budget=budget, depth=3)
+        state.timer = step_timer(cpu)
+        state.uniform_layouts = UniformStepLayouts(width, cpu)
+        state.graph_layouts = GraphStepLayouts(state.uniform_layouts, max_reqs, cpu)
+        state.attention = TreeAttentionMetadataBuilder({"target.0"}, PersistentTreeBuffers.allocate(max_reqs, width, cpu))
+        return state
+
+    seq_lens = torch.tensor([40, 55, 23, 0], dtype=torch.int32)  # V2's persistent buffer; the 4th is padding
+    roots = torch.tensor([30, 45, 13, 0])
+    chain = (roots[:, None] + torch.arange(num_nodes)).flatten()  # [P * n] V2's positions: root + node index
+    chain[num_reqs * num_nodes:] = 777  # the padding request's tokens
+    backend = SimpleNamespace(seq_lens=seq_lens, query_start_loc=torch.arange(padded + 1, dtype=torch.int32) * num_nodes,
+                              max_seq_len=55, block_table=torch.zeros(padded, 4, dtype=torch.int32))  # fmt: skip
+
+    def install(state):
+        model_state = SimpleNamespace(prepare_attn=lambda batch, *a, for_capture=False, **k: {"target.0": backend})
+        _wrap_model_state_prepare_attn(model_state, state, cpu)
+        seen = []
+        model = SimpleNamespace(forward=lambda input_ids=None, positions=None: seen.append(positions.clone()))
+        _lay_out_steps_in_target_graphs(model, state, speculator)
+        return model_state, model, seen
+
+    def deferred(state, positions):  # what the runner's prepare_attn hook leaves for a uniform step
+        return (state.uniform_layouts, num_reqs, torch.arange(num_reqs * num_nodes), kept.parents, kept.depths, slots,
+                positions, num_nodes)  # fmt: skip
+
+    # The host path: the step and the persistent tree inputs of a PIECEWISE step.
+    host = new_state()
+    host_model_state, _, _ = install(host)
+    host_positions = chain.clone()
+    host.deferred = deferred(host, host_positions)
+    host_model_state.prepare_attn(None, PIECEWISE)
+    assert not host.step_in_graph and host.deferred is None
+    want_step = build_uniform_tree_step(*deferred(host, chain.clone()))
+    want_tree = getattr(backend, ATTRIBUTE)
+
+    # Capture of the uniform verification graph of P = 4 requests of n nodes.
+    state = new_state()
+    model_state, model, seen = install(state)
+    positions = chain.clone()  # the persistent positions buffer
+    capture = SimpleNamespace(num_tokens=padded * num_nodes, num_reqs=padded,
+                              num_scheduled_tokens=np.array([num_nodes] * padded))  # fmt: skip
+    model_state.prepare_attn(capture, FULL, for_capture=True)
+    model.forward(input_ids=None, positions=positions)
+    assert state.graph_layouts.captured == {(padded, num_nodes)}
+
+    # A step that replays it: slots copied in, then the graph (the same forward) lays the step out.
+    positions.copy_(chain)
+    state.deferred = deferred(state, positions)
+    model_state.prepare_attn(None, FULL)
+    assert state.step_in_graph and state.step.parents.data_ptr() == state.graph_layouts.parents.data_ptr()
+    model.forward(input_ids=None, positions=positions)
+    assert torch.equal(seen[-1], host_positions)  # the forward sees the tree positions, the padding's untouched
+    for field in ("num_nodes", "parents", "depths", "node_rows", "node_token_index", "tree_reqs", "num_walk_nodes"):
+        assert torch.equal(getattr(state.step, field), getattr(want_step, field)), field
+    buffers, host_buffers = state.attention.persistent, host.attention.persistent
+    assert torch.equal(buffers.node_mask[:num_reqs], want_tree.node_mask[:num_reqs].to(torch.uint8))
+    assert torch.equal(buffers.node_mask[:padded], host_buffers.node_mask[:padded])  # padding: zero masks
+    assert torch.equal(buffers.num_nodes[:padded], host_buffers.num_nodes[:padded])
+    assert torch.equal(buffers.context_lens[:padded], host_buffers.context_lens[:padded])
+
+    # A FULL step of a shape whose graph lays out nothing, and a piecewise one: the host path.
+    for mode, backend.seq_lens in ((FULL, torch.cat([seq_lens, seq_lens.new_zeros(4)])), (PIECEWISE, seq_lens)):
+        state.deferred = deferred(state, chain.clone())
+        model_state.prepare_attn(None, mode)
+        assert not state.step_in_graph and state.step.parents.data_ptr() != state.graph_layouts.parents.data_ptr()

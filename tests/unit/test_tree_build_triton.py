@@ -4,7 +4,8 @@ ancestor mask (tree/triton_layout.py) and the walk
 (tree/triton_walk.py) the pointer-doubling versions' masks and paths, and its fused form (walk + accepted-path
 moves + sampler output) the verify.scorer functions' results, and the step layout (verify/triton_step.py)
 `build_tree_step`'s torch path, and the FULL-graph tree inputs (tree/triton_layout.py) the persistent builder's
-torch ops, on every tree built here.
+torch ops, and the in-graph uniform step layout (`uniform_step_inputs_triton_`) its torch version, on every tree
+built here (the torch version is checked against the host path in test_runner_v2_contract.py).
 
 CI has no GPU, so the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, numpy on the CPU) in a
 subprocess (the switch is read when the kernel is defined). The torch builder is itself checked against brute
@@ -14,6 +15,7 @@ force in test_tree_build.py. Cases: budgets around and far from the depth, ties 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import subprocess
@@ -65,6 +67,8 @@ def compare(seed: int = 0) -> int:
             check_walk(expected, depth, gen, walk_tree, walk_tree_triton, case)
             check_step_layout(expected, gen, case)
             check_padded_tree_inputs(expected, gen, case)
+            if checked % 3 == 0:
+                check_uniform_step_inputs(expected, gen, case)
             checked += 1
     return checked
 
@@ -172,6 +176,48 @@ def check_padded_tree_inputs(tree, gen, case) -> None:
     want_num_nodes = torch.cat([num_nodes, num_nodes.new_zeros(padded - num_reqs)]).to(torch.int32)
     assert torch.equal(got_num_nodes, want_num_nodes), case
     assert torch.equal(context_lens, seq_lens - want_num_nodes), case
+
+
+def check_uniform_step_inputs(tree, gen, case) -> None:
+    """tree/triton_layout.py's in-graph uniform step kernel against `verify.step.uniform_step_inputs_`'s torch ops:
+    requests reading the kept trees of random slots, padding requests (slot -1) after them, n <= N nodes each;
+    outputs poisoned beforehand."""
+    import torch
+
+    from vllm_ddtree.tree.triton_layout import uniform_step_inputs_triton_
+    from vllm_ddtree.verify.step import uniform_step_inputs_
+
+    num_slots, width = tree.parents.shape
+    device = tree.parents.device
+    num_reqs = int(torch.randint(1, num_slots + 1, (1,), generator=gen))
+    padded = num_reqs + int(torch.randint(0, 3, (1,), generator=gen))
+    num_nodes = int(torch.randint(1, width + 1, (1,), generator=gen))
+    slots = torch.full((padded,), -1, dtype=torch.int64)
+    slots[:num_reqs] = torch.randperm(num_slots, generator=gen)[:num_reqs]
+    seq_lens = torch.zeros(padded, dtype=torch.int32)
+    seq_lens[:num_reqs] = num_nodes + torch.randint(0, 300, (num_reqs,), generator=gen, dtype=torch.int32)
+    positions = torch.randint(0, 500, (padded * num_nodes,), generator=gen)
+    slots, seq_lens, positions = slots.to(device), seq_lens.to(device), positions.to(device)
+    outputs = {}
+    for name, run in (("triton", uniform_step_inputs_triton_), ("torch", uniform_step_inputs_)):
+        got = dict(
+            positions=positions.clone(),
+            parents=torch.full((padded, width), -9, dtype=torch.int64, device=device),
+            depths=torch.full((padded, width), -9, dtype=torch.int64, device=device),
+            node_mask=torch.full((padded, width, width), 7, dtype=torch.uint8, device=device),
+            num_nodes=torch.full((padded,), -9, dtype=torch.int32, device=device),
+            context_lens=torch.full((padded,), -9, dtype=torch.int32, device=device),
+        )
+        with torch_tree_kernels() if name == "torch" else contextlib.nullcontext():
+            run(slots, tree.parents, tree.depths, seq_lens, got["positions"], got["parents"], got["depths"],
+                got["node_mask"], got["num_nodes"], got["context_lens"], num_nodes)  # fmt: skip
+        outputs[name] = got
+    triton_out, torch_out = outputs["triton"], outputs["torch"]
+    for name in ("positions", "node_mask", "num_nodes", "context_lens"):
+        assert torch.equal(triton_out[name], torch_out[name]), (case, name, triton_out[name], torch_out[name])
+    for name in ("parents", "depths"):  # rows of padding requests are unspecified
+        assert torch.equal(triton_out[name][:num_reqs], torch_out[name][:num_reqs]), (case, name)
+    assert not triton_out["node_mask"][num_reqs:].any() and triton_out["node_mask"].max() <= 1, case
 
 
 def torch_tree_kernels():

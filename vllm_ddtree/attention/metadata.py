@@ -203,6 +203,15 @@ class TreeAttentionMetadataBuilder:
             backend_rows=kept_backend_rows,
         )
 
+    def backend_metadata_of(self, attn_metadata):
+        """The backend metadata of the first target layer in vLLM's per-layer metadata (dict or list of dicts),
+        None if none is there. Every target layer's metadata has the step's request count (seq_lens)."""
+        for per_layer in attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]:
+            for name, backend_metadata in per_layer.items():
+                if name in self.target_layer_names:
+                    return backend_metadata
+        return None
+
     def attach(self, step: TreeStep, attn_metadata) -> None:
         """Attach tree metadata to the target layers' entries of vLLM's per-layer metadata (dict or list)."""
         per_layer_dicts = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]

@@ -2,7 +2,9 @@
 
 The torch version doubles pointers (ceil(log2 N) rounds of gathers: ~2 ms of launches at batch 1 on the H200).
 Here one program per (request, node) follows the node's parent chain and writes its mask row;
-`padded_tree_inputs_triton_` does the same into the FULL-graph buffers and adds node counts and context lengths.
+`padded_tree_inputs_triton_` does the same into the FULL-graph buffers and adds node counts and context lengths;
+`uniform_step_inputs_triton_` also lays out a uniform step (parents, depths, positions) from the trees kept by
+request slot, reading only fixed-address buffers, so it can run inside the target's FULL CUDA graph.
 Checked against the torch versions in Triton's interpreter (tests/unit/test_tree_build_triton.py).
 """
 
@@ -67,6 +69,44 @@ def _padded_tree_inputs_kernel(
         tl.store(context_lens_ptr + req, tl.load(seq_lens_ptr + req) - num_nodes)
 
 
+@jit_unspecialized()
+def _uniform_step_inputs_kernel(
+    slots_ptr,  # [P] int64 request slot of each (padded) request, -1 for the graph's padding requests
+    kept_parents_ptr,  # [S, N] int64 the trees kept by request slot, -1 for the root
+    kept_depths_ptr,  # [S, N] int64
+    seq_lens_ptr,  # [P] int32, context + nodes of every (padded) request
+    positions_ptr,  # [P * n] int64 in/out: chain positions in, root position + depth out (real requests)
+    parents_ptr,  # [P, N] int64 out: the step's parents (real requests)
+    depths_ptr,  # [P, N] int64 out: depth of the padded node index (real requests)
+    mask_ptr,  # [P, N, N] uint8 out: ancestor masks, zero rows for padding requests
+    num_nodes_out_ptr,  # [P] int32 out: n, 0 for padding requests
+    context_lens_ptr,  # [P] int32 out: seq_lens - num_nodes
+    n,  # nodes per request, root included (<= N)
+    N,
+    BLOCK: tl.constexpr,  # power of two >= N
+):
+    req = tl.program_id(0).to(tl.int64)
+    node = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    slot = tl.load(slots_ptr + req)
+    real = slot >= 0
+    if real:
+        row = _ancestor_row(kept_parents_ptr, slot, node, N, cols)
+        depth = tl.load(kept_depths_ptr + slot * N + tl.minimum(node, n - 1))  # a padded node aliases node n - 1
+        tl.store(parents_ptr + req * N + node, tl.load(kept_parents_ptr + slot * N + node))
+        tl.store(depths_ptr + req * N + node, depth)
+        if node < n:  # the root's own entry writes back its position (depth 0): the read cannot race with it
+            root_position = tl.load(positions_ptr + req * n)
+            tl.store(positions_ptr + req * n + node, root_position + depth)
+    else:
+        row = cols < 0
+    tl.store(mask_ptr + (req * N + node) * N + cols, row.to(tl.uint8), mask=cols < N)
+    if node == 0:
+        num_nodes = tl.where(real, n, 0).to(tl.int32)
+        tl.store(num_nodes_out_ptr + req, num_nodes)
+        tl.store(context_lens_ptr + req, tl.load(seq_lens_ptr + req) - num_nodes)
+
+
 def ancestor_mask_triton(parents: torch.Tensor) -> torch.Tensor:
     """mask[r, i, j] is True iff j == i or j is an ancestor of i. parents: [R, N] int64 -> [R, N, N] bool."""
     num_req, n = parents.shape
@@ -93,4 +133,27 @@ def padded_tree_inputs_triton_(
         _padded_tree_inputs_kernel[(padded, width)](
             parents.contiguous(), num_nodes, seq_lens, node_mask, num_nodes_out, context_lens, parents.shape[0],
             width, BLOCK=triton.next_power_of_2(width),
+        )  # fmt: skip
+
+
+def uniform_step_inputs_triton_(
+    slots: torch.Tensor,  # [P] int64, -1 for padding requests
+    kept_parents: torch.Tensor,  # [S, N] int64
+    kept_depths: torch.Tensor,  # [S, N] int64
+    seq_lens: torch.Tensor,  # [P] int32
+    positions: torch.Tensor,  # [P * n] int64, updated in place
+    parents: torch.Tensor,  # [P, N] int64 out
+    depths: torch.Tensor,  # [P, N] int64 out
+    node_mask: torch.Tensor,  # [P, N, N] uint8 out
+    num_nodes_out: torch.Tensor,  # [P] int32 out
+    context_lens: torch.Tensor,  # [P] int32 out
+    num_nodes: int,  # n
+) -> None:
+    """A uniform verification step's layout and FULL-graph tree inputs in one launch (`verify.step.
+    uniform_step_inputs_`)."""
+    padded, width = node_mask.shape[0], node_mask.shape[1]
+    if padded:
+        _uniform_step_inputs_kernel[(padded, width)](
+            slots, kept_parents, kept_depths, seq_lens, positions, parents, depths, node_mask, num_nodes_out,
+            context_lens, num_nodes, width, BLOCK=triton.next_power_of_2(width),
         )  # fmt: skip

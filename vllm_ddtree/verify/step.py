@@ -171,6 +171,98 @@ def build_uniform_tree_step(
     )  # fmt: skip
 
 
+def uniform_step_inputs_(
+    slots: torch.Tensor,  # [P] int64 request slot of each (padded) request, -1 for padding requests
+    kept_parents: torch.Tensor,  # [S, N] int64 the trees kept by request slot
+    kept_depths: torch.Tensor,  # [S, N] int64
+    seq_lens: torch.Tensor,  # [P] int32, context + nodes
+    positions: torch.Tensor,  # [P * n] int64: chain positions in, root position + depth out (real requests)
+    parents: torch.Tensor,  # [P, N] int64 out (rows of padding requests unspecified)
+    depths: torch.Tensor,  # [P, N] int64 out, depth of the padded node index (rows of padding requests unspecified)
+    node_mask: torch.Tensor,  # [P, N, N] uint8 out: ancestor masks, zero for padding requests
+    num_nodes_out: torch.Tensor,  # [P] int32 out: n, 0 for padding requests
+    context_lens: torch.Tensor,  # [P] int32 out: seq_lens - num_nodes_out
+    num_nodes: int,  # n <= N nodes per request, root included
+) -> None:
+    """A uniform verification step (every request n nodes, every request's tree kept by its slot) laid out from
+    fixed-address buffers only: `build_uniform_tree_step`'s parents, depths and positions plus the FULL-graph tree
+    inputs of `TreeAttentionMetadataBuilder._build_persistent`, in one launch on CUDA. With no host values it can
+    run inside the target's captured graph (`GraphStepLayouts`)."""
+    if use_triton(slots):
+        from vllm_ddtree.tree.triton_layout import uniform_step_inputs_triton_
+
+        uniform_step_inputs_triton_(slots, kept_parents, kept_depths, seq_lens, positions, parents, depths, node_mask,
+                                    num_nodes_out, context_lens, num_nodes)  # fmt: skip
+        return
+    from vllm_ddtree.tree.layout import ancestor_mask
+
+    padded, width = parents.shape
+    real = slots >= 0  # [P]
+    kept = slots.clamp(min=0)
+    node = torch.arange(width, device=slots.device).clamp(max=num_nodes - 1)  # [N] padded node index
+    parents.copy_(kept_parents[kept])
+    depths.copy_(kept_depths[kept][:, node])
+    node_mask.copy_(ancestor_mask(parents) & real[:, None, None])
+    num_nodes_out.copy_(torch.where(real, num_nodes, 0))
+    torch.sub(seq_lens, num_nodes_out, out=context_lens)
+    tokens = positions.view(padded, num_nodes)  # [P, n]
+    tokens.copy_(torch.where(real[:, None], tokens[:, :1] + depths[:, :num_nodes], tokens))
+
+
+class GraphStepLayouts:
+    """Uniform verification steps laid out inside the target's FULL CUDA graph (`"layout_in_graph": true`, Model
+    Runner V2): `uniform_step_inputs_` is captured at the start of each uniform verification graph (P padded
+    requests of n nodes), reading the request slots from `slots`; a step that replays such a graph only copies its
+    slots there, and its TreeStep is the same views every time. Steps of other shapes (or whose graph was captured
+    without it) keep the host path (`build_uniform_tree_step` and the metadata builder)."""
+
+    def __init__(self, uniform: UniformStepLayouts, max_reqs: int, device: torch.device):
+        width = uniform.width
+        self.uniform = uniform
+        self.slots = torch.full((max_reqs,), -1, dtype=torch.int64, device=device)  # [max_reqs]
+        chain = torch.arange(width, dtype=torch.int64, device=device)
+        self.parents = (chain - 1).repeat(max_reqs, 1)  # [max_reqs, N] the step's parents, written in the graph
+        self.depths = chain.repeat(max_reqs, 1)  # [max_reqs, N]
+        # (n, seq_lens [P]: the backend's) of the uniform verification graph of P requests being captured
+        self.capturing: tuple[int, torch.Tensor] | None = None
+        self.captured: set[tuple[int, int]] = set()  # (P, n) of the graphs that lay out their steps
+        self._steps: dict[tuple[int, int], TreeStep] = {}
+
+    def write_inputs_(self, positions: torch.Tensor, kept_parents: torch.Tensor, kept_depths: torch.Tensor,
+                      tree_inputs) -> None:  # fmt: skip
+        """In the target's forward while `capturing`: the step's layout and tree inputs, captured with it.
+        `positions`: [P * n] the forward's own input; `tree_inputs`: the metadata builder's PersistentTreeBuffers."""
+        num_nodes, seq_lens = self.capturing
+        padded = seq_lens.shape[0]
+        if positions.shape[0] != padded * num_nodes:
+            return
+        uniform_step_inputs_(
+            self.slots[:padded], kept_parents, kept_depths, seq_lens, positions, self.parents[:padded],
+            self.depths[:padded], tree_inputs.node_mask[:padded], tree_inputs.num_nodes[:padded],
+            tree_inputs.context_lens[:padded], num_nodes,
+        )  # fmt: skip
+        self.captured.add((padded, num_nodes))
+
+    def step(self, num_reqs: int, padded: int, num_nodes: int, slots: torch.Tensor) -> TreeStep | None:
+        """Before replaying the graph of (padded, n): this step's request slots ([R] V2's idx_mapping) into `slots`
+        (padding requests -1), and its TreeStep; None if that graph does not lay out its steps."""
+        if (padded, num_nodes) not in self.captured:
+            return None
+        self.slots[:num_reqs].copy_(slots)
+        if padded > num_reqs:
+            self.slots[num_reqs:padded].fill_(-1)
+        key = (num_reqs, num_nodes)
+        if key not in self._steps:
+            num_nodes_t, node_rows, _, tree_reqs, num_nodes_cpu, tree_reqs_cpu = self.uniform.constants(*key)
+            self._steps[key] = TreeStep(
+                num_nodes=num_nodes_t, parents=self.parents[:num_reqs], depths=self.depths[:num_reqs],
+                node_rows=node_rows, node_token_index=node_rows,  # every scheduled token is a logits row
+                num_nodes_cpu=num_nodes_cpu, tree_reqs_cpu=tree_reqs_cpu, tree_reqs=tree_reqs,
+                num_walk_nodes=num_nodes_t,
+            )  # fmt: skip
+        return self._steps[key]
+
+
 def _layout_torch(
     num_nodes: torch.Tensor,  # [R]
     node: torch.Tensor,  # [R, N] padded node index
