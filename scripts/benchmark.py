@@ -42,8 +42,12 @@ def methods(
     return out
 
 
-# DDTree's switch keys by method-name suffix: ddtree-B32-ingraph-layoutgraph sets both (Model Runner V2).
-SWITCH_SUFFIXES = {"-ingraph": "tree_in_graph", "-layoutgraph": "layout_in_graph"}
+# DDTree's switch keys by method-name suffix, e.g. ddtree-B32-treeafter-layoutgraph (Model Runner V2).
+SWITCH_SUFFIXES = {
+    "-ingraph": ("tree_in_graph", True),  # the default since session 23 (named so in its commands)
+    "-treeafter": ("tree_in_graph", False),  # the tree built after the drafter's pass
+    "-layoutgraph": ("layout_in_graph", True),
+}
 
 
 def spec_of_name(name: str, by_name: dict[str, dict | None]):
@@ -53,10 +57,11 @@ def spec_of_name(name: str, by_name: dict[str, dict | None]):
 
     base, switches = method_without_runner(name), {}
     while base.startswith("ddtree-") and base not in by_name:
-        suffix = next((s for s in SWITCH_SUFFIXES if base.endswith(s) and SWITCH_SUFFIXES[s] not in switches), None)
+        suffix = next((s for s in SWITCH_SUFFIXES if base.endswith(s) and SWITCH_SUFFIXES[s][0] not in switches), None)
         if suffix is None:
             break
-        base, switches[SWITCH_SUFFIXES[suffix]] = base.removesuffix(suffix), True
+        key, value = SWITCH_SUFFIXES[suffix]
+        base, switches[key] = base.removesuffix(suffix), value
     spec = by_name.get(base, KeyError)
     return {**spec, **switches} if switches and spec is not KeyError else spec
 

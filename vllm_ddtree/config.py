@@ -52,8 +52,8 @@ _UNSUPPORTED_KEYS = {
 }
 
 
-# DDTree's true/false keys (experimental host-time cuts, Model Runner V2 only).
-_SWITCH_KEYS = ("tree_in_graph", "layout_in_graph")
+# DDTree's true/false keys and their defaults (host-time cuts of Model Runner V2; no effect on V1).
+_SWITCH_KEYS = {"tree_in_graph": True, "layout_in_graph": False}
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,8 @@ class DDTreeConfig:
     max_topk: int | None = None
     # Cap on the tree depth (None: the drafter's block size - 1).
     max_depth: int | None = None
-    # Experimental (Model Runner V2): build the tree inside the drafter's CUDA graph (speculator_v2.py).
-    tree_in_graph: bool = False
+    # Model Runner V2: build the tree inside the drafter's CUDA graph (speculator_v2.py); false: after its pass.
+    tree_in_graph: bool = True
     # Experimental (Model Runner V2): lay out uniform verification steps inside the target's FULL CUDA graphs
     # (verify/step.py, GraphStepLayouts).
     layout_in_graph: bool = False
@@ -136,8 +136,8 @@ def split_ddtree_config(spec: dict[str, Any]) -> tuple[dict[str, Any], DDTreeCon
         _check_budget_schedule(spec["num_speculative_tokens_per_batch_size"], budget)
     max_topk = spec.get("max_topk")
     max_depth = spec.get("max_depth")
-    for key in _SWITCH_KEYS:
-        if not isinstance(spec.get(key, False), bool):
+    for key, default in _SWITCH_KEYS.items():
+        if not isinstance(spec.get(key, default), bool):
             raise ValueError(
                 f"speculative_config[{key!r}] must be true or false, got {spec[key]!r} ({type(spec[key]).__name__})."
             )
@@ -145,7 +145,7 @@ def split_ddtree_config(spec: dict[str, Any]) -> tuple[dict[str, Any], DDTreeCon
         budget=budget,
         max_topk=None if max_topk is None else _positive_int("max_topk", max_topk),
         max_depth=None if max_depth is None else _positive_int("max_depth", max_depth),
-        **{key: spec.get(key, False) for key in _SWITCH_KEYS},
+        **{key: spec.get(key, default) for key, default in _SWITCH_KEYS.items()},
     )
     dflash = {k: v for k, v in spec.items() if k in _PASSTHROUGH_KEYS}
     dflash["method"] = "dflash"

@@ -156,12 +156,11 @@ def install_runner_hooks() -> None:
             settings["depth"],
             settings["max_topk"],
         )
-        for key in ("tree_in_graph", "layout_in_graph"):
-            if settings.get(key):
-                logger.warning(
-                    "DDTree: \"%s\": true has no effect on the V1 model runner; Model Runner V2 has it "
-                    "(VLLM_DDTREE_RUNNER=v2).", key,
-                )  # fmt: skip
+        if settings.get("layout_in_graph"):  # tree_in_graph (on by default) does nothing here either
+            logger.warning(
+                "DDTree: \"layout_in_graph\": true has no effect on the V1 model runner; Model Runner V2 has it "
+                "(VLLM_DDTREE_RUNNER=v2)."
+            )
 
     @hook(GPUModelRunner, "initialize_kv_cache")
     def initialize_kv_cache(original, self, *args, **kwargs):

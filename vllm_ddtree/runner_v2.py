@@ -150,7 +150,7 @@ def install_v2_runner_hooks() -> None:
 
         return DDTreeSpeculator(
             vllm_config, device, budget=settings["budget"], depth=settings["depth"], max_topk=settings["max_topk"],
-            tree_in_graph=settings.get("tree_in_graph", False),
+            tree_in_graph=settings["tree_in_graph"],
         )  # fmt: skip
 
     module.init_speculator = init_speculator

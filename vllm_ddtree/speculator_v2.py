@@ -4,18 +4,19 @@ The DFlash pass runs exactly as V2 runs it (inputs kernel, context K/V, the quer
 Two things change:
 - inside the captured graph, `sample_draft` keeps each position's top-K tokens and their float32 log-probs in
   persistent buffers (the chain's argmax is their first column);
-- after the pass, one launch builds the best-`budget` tree per request from them (`trees_into_slots_`: roots read
-  and parents/depths written by request slot, `req_state_idx`, V2's per-request state index), for the step that
+- one launch builds the best-`budget` tree per request from them (`trees_into_slots_`: roots read and
+  parents/depths written by request slot, `req_state_idx`, V2's per-request state index), for the step that
   verifies it; `propose` returns its B node tokens, which V2 stores as the request's draft tokens.
+
+Where the build runs (speculative-config key `"tree_in_graph"`):
+- true (the default): inside `sample_draft`, so in the drafter's FULL graph, at no host time at replay (0.12 ->
+  0.01 ms a step on the H200, session 23's profile). Request slots come from V2's `sample_idx_mapping` rows (-1
+  for the graph's padding requests, whose trees go to a scratch slot), roots from
+  `req_states.last_sampled_tokens` (handed over by the runner hook before capture);
+- false: after the pass, from `propose`, with V2's `idx_mapping` and `last_sampled`.
 
 Before the pass the accepted path's context rows move to the front of each request (`accepted_path_moves`, set
 by the verifier), so DFlash's own "first num_sampled rows are the new context" rule reads root + path.
-
-Experimental, off by default (speculative-config key `"tree_in_graph": true`): the tree build runs inside
-`sample_draft`, so in the drafter's FULL graph, and costs no host time at replay (~0.1 ms a step on the H200,
-session 22's profile).
-Request slots come from V2's `sample_idx_mapping` rows (-1 for the graph's padding requests, whose trees go to a
-scratch slot), roots from `req_states.last_sampled_tokens` (handed over by the runner hook before capture).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         # (src, dst) token moves of this step's accepted paths, set by the verifier.
         self.accepted_path_moves: tuple[torch.Tensor, torch.Tensor] | None = None
         self.timer = _NO_TIMER  # the runner's profiling.StepTimer (runner_v2)
-        # In-graph tree build ("tree_in_graph": true): on once the runner hands over V2's roots buffer.
+        # In-graph tree build ("tree_in_graph", the default): on once the runner hands over V2's roots buffer.
         self.tree_in_graph = tree_in_graph
         self.roots: torch.Tensor | None = None  # [max_reqs] V2's last_sampled_tokens (runner_v2)
         self.roots_and_scratch = torch.zeros(self.max_num_reqs + 1, dtype=torch.int64, device=device)

@@ -98,18 +98,20 @@ def test_backend_rows_option_keeps_greedy_output(models, baseline, greedy_params
 
 @pytest.mark.parametrize(
     "block_size,budget,switches",
-    [(16, 15, ["tree_in_graph"]), (4, 17, ["layout_in_graph"]), (16, 31, ["tree_in_graph", "layout_in_graph"])],
+    [(16, 15, {"tree_in_graph": False}), (4, 17, {"layout_in_graph": True}),
+     (16, 31, {"tree_in_graph": False, "layout_in_graph": True})],
 )
-def test_in_graph_switches_keep_greedy_output(models, baseline, greedy_params, block_size, budget, switches):
-    """The experimental host-time cuts of Model Runner V2: the tree build inside the drafter's CUDA graph
-    ("tree_in_graph") and the step layout inside the target's ("layout_in_graph"), each taking its inputs from the
-    graphs' own fixed-address buffers, give plain vLLM's tokens too."""
+def test_graph_switches_keep_greedy_output(models, baseline, greedy_params, block_size, budget, switches):
+    """Model Runner V2's host-time switches, against their defaults (the cases above): the tree built after the
+    drafter's pass instead of inside its CUDA graph ("tree_in_graph": false) and the step laid out inside the
+    target's graph ("layout_in_graph": true, experimental), each from the graphs' own fixed-address buffers, give
+    plain vLLM's tokens too."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("Model Runner V2 only (the GPU build); the CPU build runs the V1 runner, where the keys do nothing")
     target, drafters = models
-    spec = {"method": "ddtree", "model": drafters[block_size], "num_speculative_tokens": budget}
-    result = run(target, {**spec, **{key: True for key in switches}}, prompts(), greedy_params)
+    spec = {"method": "ddtree", "model": drafters[block_size], "num_speculative_tokens": budget, **switches}
+    result = run(target, spec, prompts(), greedy_params)
     assert result.token_ids == baseline.token_ids
     check_spec_metrics(result, budget, depth=block_size - 1)

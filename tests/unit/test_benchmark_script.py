@@ -96,10 +96,12 @@ def test_method_names_take_the_in_graph_and_runner_suffixes():
     both = {**b32, "tree_in_graph": True, "layout_in_graph": True}
     assert bench.spec_of_name("ddtree-B32-ingraph-layoutgraph", by_name) == both
     assert bench.spec_of_name("ddtree-B32-layoutgraph-ingraph-v2", by_name) == both
+    assert bench.spec_of_name("ddtree-B32-treeafter", by_name) == {**b32, "tree_in_graph": False}
     assert "tree_in_graph" not in by_name["ddtree-B32"]  # the plan's own spec is not changed
     assert bench.spec_of_name("none", by_name) is None
     assert bench.spec_of_name("dflash-v1", by_name) == by_name["dflash"]
-    for unknown in ["dflash-ingraph", "ddtree-B16", "ddtree-B32-v2-ingraph", "none-ingraph", "ddtree-B32-ingraph-ingraph"]:
+    for unknown in ["dflash-ingraph", "ddtree-B16", "ddtree-B32-v2-ingraph", "none-ingraph", "ddtree-B32-ingraph-ingraph",
+                    "ddtree-B32-treeafter-ingraph"]:
         assert bench.spec_of_name(unknown, by_name) is KeyError, unknown
 
 

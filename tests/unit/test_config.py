@@ -18,8 +18,8 @@ def test_split_passes_vllm_keys_and_keeps_tree_knobs():
 
 def test_defaults():
     _, ddtree = split_ddtree_config(spec())
-    assert ddtree.max_topk is None and ddtree.max_depth is None and not ddtree.tree_in_graph
-    assert not ddtree.layout_in_graph
+    assert ddtree.max_topk is None and ddtree.max_depth is None
+    assert ddtree.tree_in_graph and not ddtree.layout_in_graph  # Model Runner V2's host-time cuts
     assert ddtree.depth_for(block_size=16) == 15
     assert DDTreeConfig(budget=3, max_depth=4).depth_for(block_size=16) == 4
 
