@@ -151,9 +151,11 @@ def v2_model_runner_module():
 
 
 def v2_last_sampled_tokens(runner):
-    """[max_reqs] the last sampled token of every request slot, Model Runner V2's persistent buffer (0.26:
-    `req_states.last_sampled_tokens`, [max_reqs, 1]); `propose` gets the same tensor as `last_sampled`."""
-    return runner.req_states.last_sampled_tokens.view(-1)
+    """[max_reqs] the last sampled token of every request slot, Model Runner V2's persistent buffer (0.26 and 0.32:
+    `req_states.last_sampled_tokens`, [max_reqs, 1]); `propose` gets the same tensor as `last_sampled`. None on a
+    release without it."""
+    buffer = getattr(getattr(runner, "req_states", None), "last_sampled_tokens", None)
+    return None if buffer is None else buffer.view(-1)
 
 
 def v2_dflash_speculator_class():

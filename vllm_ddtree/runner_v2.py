@@ -177,11 +177,15 @@ def install_v2_runner_hooks() -> None:
                         "(\"layout_in_graph\": true)")  # fmt: skip
         if self.speculator is not None:  # None on pipeline stages before the last
             self.speculator.timer = self._ddtree.timer
-            if self.speculator.tree_in_graph:  # "tree_in_graph": true: V2's roots buffer, before any capture
+            if self.speculator.tree_in_graph:  # "tree_in_graph" (default): V2's roots buffer, before any capture
                 from vllm_ddtree.compat import v2_last_sampled_tokens
 
                 self.speculator.roots = v2_last_sampled_tokens(self)
-                logger.info("DDTree: the tree build runs inside the drafter's pass (\"tree_in_graph\": true)")
+                if self.speculator.roots is None:
+                    logger.warning("DDTree: this vLLM's Model Runner V2 has no req_states.last_sampled_tokens: "
+                                   "the tree is built after the drafter's pass (as with \"tree_in_graph\": false)")
+                else:
+                    logger.info("DDTree: the tree build runs inside the drafter's CUDA graph (\"tree_in_graph\")")
         logger.info(
             "DDTree on Model Runner V2: node budget %d, tree depth %d, max top-k per depth %s",
             settings["budget"], settings["depth"], settings["max_topk"],

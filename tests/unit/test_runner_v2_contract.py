@@ -40,6 +40,8 @@ def test_v2_names_the_hooks_use_exist():
         "num_sampled", "num_rejected", "last_sampled",
     ]  # fmt: skip
     assert _params(speculator.sample_draft)[:2] == ["self", "hidden_states"]
+    assert _params(speculator.sample_draft)[3] == "idx_mapping"  # the in-graph tree build reads args[1]
+    assert _params(runner.capture_model)[:1] == ["self"]  # layout_in_graph's capture hook
     assert _params(speculator.load_model)[:2] == ["self", "target_model"]
     v2 = compat.v2_sampling()
     assert _params(v2.compute_topk_scores)[:4] == ["logits", "num_logprobs", "sampled_token_ids", "cu_num_logits"]
@@ -51,6 +53,20 @@ def test_v2_names_the_hooks_use_exist():
     assert {"sampled_token_ids", "logprobs_tensors", "num_nans", "num_sampled", "num_rejected"} <= set(
         inspect.signature(v2.SamplerOutput).parameters
     )
+
+
+def test_roots_buffer_of_the_in_graph_tree_build():
+    """The in-graph tree build reads V2's per-slot last sampled tokens ([max_reqs, 1] -> [max_reqs], the tensor
+    `propose` gets as `last_sampled`); a V2 without the buffer builds after the pass (None)."""
+    from vllm.v1.worker.gpu import states
+
+    from vllm_ddtree import compat
+
+    assert "self.last_sampled_tokens = " in inspect.getsource(states)  # this vLLM's V2 keeps it
+    buffer = torch.arange(4)[:, None]
+    roots = compat.v2_last_sampled_tokens(SimpleNamespace(req_states=SimpleNamespace(last_sampled_tokens=buffer)))
+    assert roots.shape == (4,) and roots.data_ptr() == buffer.data_ptr()
+    assert compat.v2_last_sampled_tokens(SimpleNamespace(req_states=SimpleNamespace())) is None
 
 
 def test_init_speculator_is_ddtrees_only_for_ddtree_configs():
