@@ -500,9 +500,10 @@ def main() -> None:
         by_name = dict(plan)
         unknown = [m for m in args.methods if spec_of_name(m, by_name) is KeyError]
         if unknown:
+            switches = ", ".join(f"{suffix} ({key}={value})" for suffix, (key, value) in SWITCH_SUFFIXES.items())
             parser.error(f"unknown --methods {unknown}; known: {list(by_name)}; DDTree's take the suffixes "
-                         f"{SWITCH_SUFFIXES} (speculative-config switches), then all take an optional -v1 / -v2 "
-                         "for the model runner (budgets come from --budgets)")
+                         f"{switches} (speculative-config switches), then all take an optional -v1 / -v2 for the "
+                         "model runner (budgets come from --budgets)")
         plan = [(m, spec_of_name(m, by_name)) for m in args.methods]
     rows: list[dict] = []  # one per (method, temperature, batch, round)
     greedy_tokens: dict[str, list[list[int]]] = {}  # T = 0 answers by greedy_key, for `greedy_agreement`

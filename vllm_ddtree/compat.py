@@ -158,6 +158,16 @@ def v2_last_sampled_tokens(runner):
     return None if buffer is None else buffer.view(-1)
 
 
+def forward_cudagraph_mode_name() -> str | None:
+    """The CUDA-graph mode vLLM runs the current forward pass in ("NONE", "PIECEWISE", "FULL"; 0.26 and 0.32:
+    `ForwardContext.cudagraph_runtime_mode`), None outside a forward pass."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    return getattr(getattr(get_forward_context(), "cudagraph_runtime_mode", None), "name", None)
+
+
 def v2_dflash_speculator_class():
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 

@@ -26,6 +26,7 @@ from vllm_ddtree.attention.metadata import (
     dummy_tree_step,
     full_cuda_graphs_requested,
     tree_attention_builder,
+    uniform_nodes,
 )
 from vllm_ddtree.kv.compact import compact_accepted_kv_, slot_mapping_of
 from vllm_ddtree.tree import WalkResult
@@ -206,16 +207,22 @@ def install_runner_hooks() -> None:
         if state is not None:
             state.timer.mark("vllm_other")
         result = original(self, *args, **kwargs)
-        if state is not None and state.step is not None and state.attention is not None:
+        if state is None or state.attention is None:
+            return result
+        # n if vLLM may replay the FULL graph of n-node trees for this batch: every request with n scheduled tokens,
+        # drafts or not (a prefill chunk of n tokens then is a chain of n nodes; `attention.metadata`).
+        num_reqs, num_tokens, max_query_len = (kwargs.get(k) for k in ("num_reqs", "num_tokens", "max_query_len"))
+        uniform = None
+        if state.attention.persistent is not None and None not in (num_reqs, num_tokens, max_query_len):
+            uniform = uniform_nodes(num_reqs, num_tokens, max_query_len, state.width)
+        if state.step is not None:
             state.timer.mark("vllm_attention_metadata")
-            state.attention.attach(state.step, result[0])
+            state.attention.attach(state.step, result[0], uniform)
             state.timer.mark("tree_attention_metadata")
-        elif state is not None and state.attention is not None and state.attention.persistent is not None:
-            # A dummy run (warm-up or FULL-graph capture) of a uniform verification batch: capture the tree
-            # attention path, reading the persistent buffers that real steps write before each replay.
-            num_reqs, num_tokens = kwargs.get("num_reqs"), kwargs.get("num_tokens")
-            if kwargs.get("max_query_len") == state.width and num_reqs and num_tokens == num_reqs * state.width:
-                state.attention.attach(dummy_tree_step(num_reqs, state.width, state.width, self.device), result[0])
+        elif uniform is not None:
+            # A uniform batch without drafts: a dummy run (warm-up or FULL-graph capture: the tree attention path is
+            # captured, reading the persistent buffers real steps write before each replay) or prefill chunks.
+            state.attention.attach(dummy_tree_step(num_reqs, uniform, state.width, self.device), result[0])
         return result
 
     @hook(GPUModelRunner, "_sample")

@@ -22,9 +22,16 @@ import torch
 
 from vllm_ddtree import config as ddtree_config
 from vllm_ddtree.attention.layers import wrap_target_layers
-from vllm_ddtree.attention.metadata import TreeAttentionMetadataBuilder, dummy_tree_step, tree_attention_builder
+from vllm_ddtree.attention.metadata import (
+    TreeAttentionMetadataBuilder,
+    backend_rows_requested,
+    dummy_tree_step,
+    tree_attention_builder,
+    uniform_nodes,
+)
 from vllm_ddtree.runner import configure_cuda_graphs, hook
 from vllm_ddtree.verify.step import (
+    CHAIN_SLOT,
     GraphStepLayouts,
     TreeStep,
     UniformStepLayouts,
@@ -124,11 +131,11 @@ def _log_cuda_graph_coverage(compilation_config, drafts: list[int], width: int, 
 
 
 def uniform_verification_nodes(input_batch, width: int) -> int | None:
-    """n when every request of the batch is scheduled n tokens, 2 <= n <= width: a uniform verification batch of
-    n-node trees (n < width under `num_speculative_tokens_per_batch_size`); None otherwise."""
-    nodes = int(input_batch.num_scheduled_tokens.max())
-    uniform = input_batch.num_tokens == input_batch.num_reqs * nodes
-    return nodes if uniform and 2 <= nodes <= width else None
+    """n when every request of the batch is scheduled n tokens, 2 <= n <= width: a batch V2 runs in the FULL graph
+    of n-node trees, if it has one (n < width under `num_speculative_tokens_per_batch_size`), whether its requests
+    have drafts or are prefill chunks of n tokens (`attention.metadata.uniform_nodes`); None otherwise."""
+    max_query_len = int(input_batch.num_scheduled_tokens.max())
+    return uniform_nodes(input_batch.num_reqs, input_batch.num_tokens, max_query_len, width)
 
 
 def install_v2_runner_hooks() -> None:
@@ -171,7 +178,10 @@ def install_v2_runner_hooks() -> None:
         self._ddtree = DDTreeV2State(budget=settings["budget"], depth=settings["depth"])
         self._ddtree.timer = step_timer(self.device)
         self._ddtree.uniform_layouts = UniformStepLayouts(self._ddtree.width, self.device)
-        if settings.get("layout_in_graph"):
+        if settings.get("layout_in_graph") and backend_rows_requested():
+            logger.warning("DDTree: \"layout_in_graph\": true is ignored with VLLM_DDTREE_BACKEND_ROWS=1 (the kept "
+                           "backend rows are written on the host path only)")  # fmt: skip
+        elif settings.get("layout_in_graph"):
             self._ddtree.graph_layouts = GraphStepLayouts(self._ddtree.uniform_layouts, self.max_num_reqs, self.device)
             logger.info("DDTree: uniform verification steps are laid out inside the target's FULL CUDA graphs "
                         "(\"layout_in_graph\": true)")  # fmt: skip
@@ -339,22 +349,29 @@ def _wrap_model_state_prepare_attn(model_state, state: DDTreeV2State, device: to
         if builder is None or metadata is None:
             return metadata
         mode = kwargs.get("cudagraph_mode", args[0] if args else None)
-        if state.deferred is not None and not for_capture:
+        # n if V2 may replay the FULL graph of n-node trees for this batch (drafts or not): then every request's
+        # layout goes into the persistent buffers that graph reads, prefill chunks as chains.
+        uniform = uniform_verification_nodes(input_batch, state.width) if builder.persistent is not None else None
+        if for_capture:
+            if uniform is not None:  # a uniform verification batch's FULL graph: capture tree attention in it
+                builder.attach(dummy_tree_step(input_batch.num_reqs, uniform, state.width, device), metadata)
+            if state.graph_layouts is not None:  # and its steps' layout, at the start of the target's forward
+                backend = builder.backend_metadata_of(metadata)
+                capture = uniform is not None and backend is not None
+                state.graph_layouts.capturing = (uniform, backend.seq_lens) if capture else None
+            return metadata
+        if state.deferred is not None:
             _lay_out_deferred_step(state, mode, builder.backend_metadata_of(metadata))
-        if state.step is not None and not for_capture:
+        if state.step is not None:
             state.timer.count(f"target_cudagraph_{getattr(mode, 'name', mode)}")  # FULL expected for uniform steps
             state.timer.mark("vllm_attention_metadata")
             if not state.step_in_graph:  # else the graph writes the tree inputs itself
-                builder.attach(state.step, metadata)
+                builder.attach(state.step, metadata, uniform)
+                _slots_for_host_laid_out_step(state, mode, builder, metadata, uniform, input_batch)
             state.timer.mark("tree_attention_metadata")
-        elif for_capture and builder.persistent is not None:
-            num_nodes = uniform_verification_nodes(input_batch, state.width)
-            if num_nodes is not None:  # a uniform verification batch's FULL graph: capture tree attention in it
-                builder.attach(dummy_tree_step(input_batch.num_reqs, num_nodes, state.width, device), metadata)
-            if state.graph_layouts is not None:  # and its steps' layout, at the start of the target's forward
-                backend = builder.backend_metadata_of(metadata)
-                capture = num_nodes is not None and backend is not None
-                state.graph_layouts.capturing = (num_nodes, backend.seq_lens) if capture else None
+        elif uniform is not None:  # no drafts, every request a prefill chunk of n tokens: chains of n
+            builder.attach(dummy_tree_step(input_batch.num_reqs, uniform, state.width, device), metadata)
+            _slots_for_host_laid_out_step(state, mode, builder, metadata, uniform, input_batch)
         return metadata
 
     model_state.prepare_attn = prepare_attn
@@ -376,17 +393,40 @@ def _lay_out_deferred_step(state: DDTreeV2State, mode, backend_metadata) -> None
         state.step = build_uniform_tree_step(*uniform)
 
 
+def _slots_for_host_laid_out_step(state: DDTreeV2State, mode, builder, metadata, uniform, input_batch) -> None:
+    """"layout_in_graph": a step laid out on the host (a uniform batch with prefill chunks, or a FULL graph that
+    does not lay out its steps) that still replays a graph which does: its request slots go in so that the graph
+    writes the same layout, the kept tree for requests with drafts, a chain for the others."""
+    layouts = state.graph_layouts
+    backend = builder.backend_metadata_of(metadata)
+    if layouts is None or uniform is None or backend is None or getattr(mode, "name", None) != "FULL":
+        return
+    step = state.step
+    tree_slots = None if step is None else torch.where(step.num_nodes > 1, input_batch.idx_mapping, CHAIN_SLOT)
+    layouts.set_slots_(input_batch.num_reqs, backend.seq_lens.shape[0], uniform, tree_slots)
+
+
 def _lay_out_steps_in_target_graphs(model, state: DDTreeV2State, speculator) -> None:
     """"layout_in_graph": true. The target's forward first lays out the step (`GraphStepLayouts.write_inputs_`)
     while a uniform verification batch's FULL graph is captured (and in its warm-up run), so every replay of that
     graph writes its own step's parents, depths, positions and tree-attention inputs from the slots copied in."""
     forward = model.forward
 
+    from vllm_ddtree.compat import forward_cudagraph_mode_name
+
     def forward_laying_out_tree_step(*args, **kwargs):
         layouts, positions = state.graph_layouts, kwargs.get("positions")
-        if layouts.capturing is not None and positions is not None and state.attention.persistent is not None:
+        # A FULL capture and its warm-up run the forward eagerly (mode NONE); a PIECEWISE capture (breakable
+        # graphs too) must not record the layout: its graphs also serve batches laid out on the host.
+        if (layouts.capturing is not None and positions is not None and state.attention.persistent is not None
+                and forward_cudagraph_mode_name() in (None, "NONE")):  # fmt: skip
             tree_inputs = state.attention.persistent
-            layouts.write_inputs_(positions, speculator.tree_parents, speculator.tree_depths, tree_inputs)
+            layouts.write_inputs_(positions, speculator.tree_parents, speculator.tree_depths, tree_inputs,
+                                  recorded=_stream_capturing())  # fmt: skip
         return forward(*args, **kwargs)
 
     model.forward = forward_laying_out_tree_step
+
+
+def _stream_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -35,7 +35,7 @@ _NO_TIMER = step_timer(torch.device("cpu"))  # a no-op until the runner sets its
 
 class DDTreeSpeculator(DFlashSpeculator):
     def __init__(self, vllm_config, device: torch.device, budget: int, depth: int, max_topk: int | None,
-                 tree_in_graph: bool = False):  # fmt: skip
+                 tree_in_graph: bool = True):  # fmt: skip
         super().__init__(drafting_config(vllm_config, depth), device)
         self.draft_logits = None  # the tree verifier needs no draft distributions
         self.budget = budget

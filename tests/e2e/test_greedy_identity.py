@@ -115,3 +115,22 @@ def test_graph_switches_keep_greedy_output(models, baseline, greedy_params, bloc
     result = run(target, spec, prompts(), greedy_params)
     assert result.token_ids == baseline.token_ids
     check_spec_metrics(result, budget, depth=block_size - 1)
+
+
+@pytest.mark.parametrize("switches", [{}, {"layout_in_graph": True}])
+def test_prompts_of_exactly_the_tree_width_keep_greedy_output(models, greedy_params, switches):
+    """Prompts of exactly B + 1 tokens, prefilled together: vLLM runs such a batch (every request n = B + 1
+    scheduled tokens) in the FULL graph it captured for n-node tree verifications (on the GPU), so the prefill
+    chunks must be laid out there as chains of n nodes, not left to stale tree inputs."""
+    import torch
+
+    if switches and not torch.cuda.is_available():
+        pytest.skip("Model Runner V2 only (the GPU build); the CPU build runs V1, where the key does nothing")
+    target, drafters = models
+    budget = 15
+    batch = [[(31 * r + 7 * i) % 500 + 3 for i in range(budget + 1)] for r in range(3)]
+    plain = run(target, None, batch, greedy_params)
+    spec = {"method": "ddtree", "model": drafters[16], "num_speculative_tokens": budget, **switches}
+    result = run(target, spec, batch, greedy_params)
+    assert result.token_ids == plain.token_ids
+    check_spec_metrics(result, budget, depth=15)

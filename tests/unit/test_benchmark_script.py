@@ -100,8 +100,8 @@ def test_method_names_take_the_in_graph_and_runner_suffixes():
     assert "tree_in_graph" not in by_name["ddtree-B32"]  # the plan's own spec is not changed
     assert bench.spec_of_name("none", by_name) is None
     assert bench.spec_of_name("dflash-v1", by_name) == by_name["dflash"]
-    for unknown in ["dflash-ingraph", "ddtree-B16", "ddtree-B32-v2-ingraph", "none-ingraph", "ddtree-B32-ingraph-ingraph",
-                    "ddtree-B32-treeafter-ingraph"]:
+    for unknown in ["dflash-ingraph", "ddtree-B16", "ddtree-B32-v2-ingraph", "none-ingraph",
+                    "ddtree-B32-ingraph-ingraph", "ddtree-B32-treeafter-ingraph"]:
         assert bench.spec_of_name(unknown, by_name) is KeyError, unknown
 
 

@@ -60,6 +60,37 @@ def test_persistent_build_matches_the_regular_one_at_fixed_addresses(num_nodes):
     assert len(addresses) == 1
 
 
+@pytest.mark.parametrize("num_nodes", [WIDTH, 3])
+def test_prefill_chunks_of_a_uniform_batch_are_chains_in_the_persistent_buffers(num_nodes):
+    """vLLM replays the FULL graph of n-token requests for any batch whose requests all have n scheduled tokens,
+    so a prefill chunk of n tokens beside n-node trees must be in the persistent buffers too: a chain of n nodes
+    (its mask causal, its context the keys before the chunk), the trees as they are. Without `uniform` (a
+    batch no FULL graph serves) the regular metadata covers the trees only."""
+    from vllm_ddtree.attention.metadata import uniform_nodes
+
+    num_reqs, padded = 3, 4
+    trees = uniform_step(num_reqs, 7, num_nodes)
+    logits_indices = torch.cat([torch.arange(num_nodes), torch.tensor([2 * num_nodes - 1]),
+                                torch.arange(2 * num_nodes, 3 * num_nodes)])  # the chunk has one logits row
+    step = build_tree_step([num_nodes - 1, 0, num_nodes - 1], logits_indices, trees.parents, trees.depths, [0, -1, 2],
+                           WIDTH)  # fmt: skip
+    backend = backend_metadata(num_reqs, padded, 7, num_nodes)
+    assert uniform_nodes(num_reqs, num_reqs * num_nodes, num_nodes, WIDTH) == num_nodes
+    assert uniform_nodes(num_reqs, num_reqs * num_nodes - 1, num_nodes, WIDTH) is None
+    assert uniform_nodes(num_reqs, num_reqs * (WIDTH + 1), WIDTH + 1, WIDTH) is None  # longer than any tree
+    builder = TreeAttentionMetadataBuilder(set(), PersistentTreeBuffers.allocate(MAX_REQS, WIDTH, torch.device("cpu")))
+    got = builder.build(step, backend, uniform=num_nodes)
+    assert got.covers_all_tokens and got.node_mask.data_ptr() == builder.persistent.node_mask.data_ptr()
+    assert torch.equal(got.node_mask[1].bool(), torch.ones(WIDTH, WIDTH).tril().bool())  # the chunk: causal
+    want = TreeAttentionMetadataBuilder(set()).build(trees, backend)  # the trees alone
+    for req in (0, 2):
+        assert torch.equal(got.node_mask[req].bool(), want.node_mask[req])
+    assert got.num_nodes.tolist() == [num_nodes] * num_reqs + [0] and got.num_nodes_cpu == got.num_nodes.tolist()
+    assert torch.equal(got.context_lens, backend.seq_lens - got.num_nodes)
+    regular = builder.build(step, backend)  # no FULL graph for this batch
+    assert not regular.covers_all_tokens and regular.num_nodes_cpu == [num_nodes, num_nodes]
+
+
 @pytest.mark.parametrize("num_nodes", [WIDTH, 2])
 def test_dummy_step_is_a_chain_per_request(num_nodes):
     """The capture layout of a uniform batch of `num_nodes` tokens per request, padded to WIDTH."""

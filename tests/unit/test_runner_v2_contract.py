@@ -237,8 +237,12 @@ def test_target_metadata_gets_this_steps_tree_at_runtime_and_a_chain_at_capture(
     runtime = model_state.prepare_attn(uniform, "FULL")
     tree = getattr(runtime["target.0"], ATTRIBUTE)
     assert torch.equal(tree.node_mask[:num_reqs].bool(), ancestor_mask(kept.parents))
-    state.step = None  # a dummy run after the step: nothing attached
-    assert getattr(model_state.prepare_attn(uniform, "FULL")["target.0"], ATTRIBUTE, None) is None
+    state.step = None  # no drafts, but n tokens a request (prefill chunks): V2 may replay the tree graph, so chains
+    chains = getattr(model_state.prepare_attn(uniform, "FULL")["target.0"], ATTRIBUTE)
+    assert torch.equal(chains.node_mask[:num_reqs].bool(), torch.ones(num_reqs, width, width).tril().bool())
+    assert torch.equal(chains.context_lens, torch.tensor([20 - width, 30 - width], dtype=torch.int32))
+    mixed = SimpleNamespace(num_tokens=7, num_reqs=num_reqs, num_scheduled_tokens=np.array([5, 2]))
+    assert getattr(model_state.prepare_attn(mixed, "FULL")["target.0"], ATTRIBUTE, None) is None  # no tree graph
 
 
 def test_speculator_keeps_each_requests_tree_in_its_slot_and_returns_its_nodes(monkeypatch):
@@ -415,16 +419,19 @@ def test_in_graph_tree_build_gives_the_trees_built_after_the_pass(monkeypatch):
 
 
 @pytest.mark.parametrize("num_nodes", [7, 4])  # the whole tree (B = 6), and the first 4 nodes of each
-def test_layout_in_graph_writes_what_the_host_path_writes(num_nodes):
+def test_layout_in_graph_writes_what_the_host_path_writes(num_nodes, monkeypatch):
     """"layout_in_graph": true. While a uniform verification batch's FULL graph is captured, the target's forward
     first lays out the step from fixed-address buffers (`GraphStepLayouts`); a step that replays that graph only
     copies its request slots in. Replaying (here: running the same forward again) gives the TreeStep, positions and
     tree-attention inputs of the host path (`build_uniform_tree_step` + the metadata builder); padding requests get
-    zero masks and node counts. Other graph modes and shapes keep the host path."""
-    from vllm_ddtree.attention.metadata import ATTRIBUTE, PersistentTreeBuffers, TreeAttentionMetadataBuilder
+    zero masks and node counts. A uniform batch with a prefill chunk of n tokens, laid out on the host, makes the
+    graph write the host's layout too (the chunk a chain, its positions kept). Other graph modes and shapes keep
+    the host path, and a PIECEWISE capture records nothing."""
+    from vllm_ddtree import compat, runner_v2
+    from vllm_ddtree.attention.metadata import PersistentTreeBuffers, TreeAttentionMetadataBuilder
     from vllm_ddtree.runner_v2 import DDTreeV2State, _lay_out_steps_in_target_graphs, _wrap_model_state_prepare_attn
     from vllm_ddtree.tree import build_draft_tree
-    from vllm_ddtree.verify.step import GraphStepLayouts, UniformStepLayouts, build_uniform_tree_step
+    from vllm_ddtree.verify.step import GraphStepLayouts, UniformStepLayouts, build_tree_step, build_uniform_tree_step
 
     FULL, PIECEWISE = SimpleNamespace(name="FULL"), SimpleNamespace(name="PIECEWISE")  # V2's CUDAGraphMode
     budget, max_reqs, num_reqs, padded = 6, 8, 3, 4
@@ -433,21 +440,28 @@ def test_layout_in_graph_writes_what_the_host_path_writes(num_nodes):
     kept = build_draft_tree(torch.randn(max_reqs + 1, 4, 20, generator=gen) * 2, torch.arange(max_reqs + 1), budget)
     speculator = SimpleNamespace(tree_parents=kept.parents, tree_depths=kept.depths)  # [max_reqs + 1, N] by slot
     slots = torch.tensor([5, 0, 2], dtype=torch.int32)  # V2's idx_mapping
+    forward_mode = {"name": None}  # the forward context's cudagraph mode (None: no context)
+    monkeypatch.setattr(compat, "forward_cudagraph_mode_name", lambda: forward_mode["name"])
+    monkeypatch.setattr(runner_v2, "_stream_capturing", lambda: forward_mode["name"] == "NONE")
 
     def new_state():
         state = DDTreeV2State(budget=budget, depth=3)
         state.timer = step_timer(cpu)
         state.uniform_layouts = UniformStepLayouts(width, cpu)
         state.graph_layouts = GraphStepLayouts(state.uniform_layouts, max_reqs, cpu)
-        state.attention = TreeAttentionMetadataBuilder({"target.0"}, PersistentTreeBuffers.allocate(max_reqs, width, cpu))
+        buffers = PersistentTreeBuffers.allocate(max_reqs, width, cpu)
+        state.attention = TreeAttentionMetadataBuilder({"target.0"}, buffers)
         return state
 
     seq_lens = torch.tensor([40, 55, 23, 0], dtype=torch.int32)  # V2's persistent buffer; the 4th is padding
     roots = torch.tensor([30, 45, 13, 0])
     chain = (roots[:, None] + torch.arange(num_nodes)).flatten()  # [P * n] V2's positions: root + node index
     chain[num_reqs * num_nodes:] = 777  # the padding request's tokens
-    backend = SimpleNamespace(seq_lens=seq_lens, query_start_loc=torch.arange(padded + 1, dtype=torch.int32) * num_nodes,
-                              max_seq_len=55, block_table=torch.zeros(padded, 4, dtype=torch.int32))  # fmt: skip
+    query_start_loc = torch.arange(padded + 1, dtype=torch.int32) * num_nodes
+    backend = SimpleNamespace(seq_lens=seq_lens, query_start_loc=query_start_loc, max_seq_len=55,
+                              block_table=torch.zeros(padded, 4, dtype=torch.int32))  # fmt: skip
+    batch = SimpleNamespace(num_tokens=num_reqs * num_nodes, num_reqs=num_reqs, idx_mapping=slots,
+                            num_scheduled_tokens=np.array([num_nodes] * num_reqs))  # fmt: skip
 
     def install(state):
         model_state = SimpleNamespace(prepare_attn=lambda batch, *a, for_capture=False, **k: {"target.0": backend})
@@ -461,43 +475,65 @@ def test_layout_in_graph_writes_what_the_host_path_writes(num_nodes):
         return (state.uniform_layouts, num_reqs, torch.arange(num_reqs * num_nodes), kept.parents, kept.depths, slots,
                 positions, num_nodes)  # fmt: skip
 
+    def tree_inputs(state):
+        buffers = state.attention.persistent
+        return [buffers.node_mask[:padded], buffers.num_nodes[:padded], buffers.context_lens[:padded]]
+
     # The host path: the step and the persistent tree inputs of a PIECEWISE step.
     host = new_state()
     host_model_state, _, _ = install(host)
     host_positions = chain.clone()
     host.deferred = deferred(host, host_positions)
-    host_model_state.prepare_attn(None, PIECEWISE)
+    host_model_state.prepare_attn(batch, PIECEWISE)
     assert not host.step_in_graph and host.deferred is None
     want_step = build_uniform_tree_step(*deferred(host, chain.clone()))
-    want_tree = getattr(backend, ATTRIBUTE)
 
-    # Capture of the uniform verification graph of P = 4 requests of n nodes.
+    # Captures: a PIECEWISE graph of the same shape records nothing, the uniform verification FULL graph of
+    # P = 4 requests of n nodes records the layout.
     state = new_state()
     model_state, model, seen = install(state)
     positions = chain.clone()  # the persistent positions buffer
     capture = SimpleNamespace(num_tokens=padded * num_nodes, num_reqs=padded,
                               num_scheduled_tokens=np.array([num_nodes] * padded))  # fmt: skip
     model_state.prepare_attn(capture, FULL, for_capture=True)
+    forward_mode["name"] = "PIECEWISE"
+    model.forward(input_ids=None, positions=positions)
+    assert not state.graph_layouts.captured and torch.equal(positions, chain)
+    forward_mode["name"] = "NONE"  # V2 records a FULL graph running the forward in mode NONE
     model.forward(input_ids=None, positions=positions)
     assert state.graph_layouts.captured == {(padded, num_nodes)}
 
     # A step that replays it: slots copied in, then the graph (the same forward) lays the step out.
     positions.copy_(chain)
     state.deferred = deferred(state, positions)
-    model_state.prepare_attn(None, FULL)
+    model_state.prepare_attn(batch, FULL)
     assert state.step_in_graph and state.step.parents.data_ptr() == state.graph_layouts.parents.data_ptr()
     model.forward(input_ids=None, positions=positions)
     assert torch.equal(seen[-1], host_positions)  # the forward sees the tree positions, the padding's untouched
     for field in ("num_nodes", "parents", "depths", "node_rows", "node_token_index", "tree_reqs", "num_walk_nodes"):
         assert torch.equal(getattr(state.step, field), getattr(want_step, field)), field
-    buffers, host_buffers = state.attention.persistent, host.attention.persistent
-    assert torch.equal(buffers.node_mask[:num_reqs], want_tree.node_mask[:num_reqs].to(torch.uint8))
-    assert torch.equal(buffers.node_mask[:padded], host_buffers.node_mask[:padded])  # padding: zero masks
-    assert torch.equal(buffers.num_nodes[:padded], host_buffers.num_nodes[:padded])
-    assert torch.equal(buffers.context_lens[:padded], host_buffers.context_lens[:padded])
+    for got, want in zip(tree_inputs(state), tree_inputs(host)):
+        assert torch.equal(got, want)
+
+    # A uniform batch whose second request is a prefill chunk of n tokens (no drafts), replaying the same graph:
+    # laid out on the host (its tree inputs as the host path writes them), and the graph writes the same.
+    mixed_positions = chain.clone()
+    logits_indices = torch.cat([torch.arange(num_nodes), torch.arange(2 * num_nodes - 1, 3 * num_nodes)])  # 1 row
+    mixed_step = build_tree_step([num_nodes - 1, 0, num_nodes - 1], logits_indices, kept.parents, kept.depths,
+                                 slots.tolist(), width, positions=mixed_positions)  # fmt: skip
+    for target_state in (host, state):
+        target_state.step, target_state.step_in_graph = mixed_step, False
+        (host_model_state if target_state is host else model_state).prepare_attn(batch, FULL)
+    assert state.graph_layouts.slots[:padded].tolist() == [5, -2, 2, -1]
+    assert torch.equal(tree_inputs(host)[0][1].bool(), torch.ones(width, width).tril().bool())  # the chunk: causal
+    positions.copy_(mixed_positions)
+    model.forward(input_ids=None, positions=positions)
+    assert torch.equal(positions, mixed_positions)  # the chunk's positions kept, the trees' as the host set them
+    for got, want in zip(tree_inputs(state), tree_inputs(host)):
+        assert torch.equal(got, want)
 
     # A FULL step of a shape whose graph lays out nothing, and a piecewise one: the host path.
     for mode, backend.seq_lens in ((FULL, torch.cat([seq_lens, seq_lens.new_zeros(4)])), (PIECEWISE, seq_lens)):
-        state.deferred = deferred(state, chain.clone())
-        model_state.prepare_attn(None, mode)
+        state.step, state.deferred = None, deferred(state, chain.clone())
+        model_state.prepare_attn(batch, mode)
         assert not state.step_in_graph and state.step.parents.data_ptr() != state.graph_layouts.parents.data_ptr()

@@ -180,8 +180,8 @@ def check_padded_tree_inputs(tree, gen, case) -> None:
 
 def check_uniform_step_inputs(tree, gen, case) -> None:
     """tree/triton_layout.py's in-graph uniform step kernel against `verify.step.uniform_step_inputs_`'s torch ops:
-    requests reading the kept trees of random slots, padding requests (slot -1) after them, n <= N nodes each;
-    outputs poisoned beforehand."""
+    requests reading the kept trees of random slots, chains (slot -2), padding requests (slot -1) after them,
+    n <= N nodes each; outputs poisoned beforehand."""
     import torch
 
     from vllm_ddtree.tree.triton_layout import uniform_step_inputs_triton_
@@ -194,6 +194,7 @@ def check_uniform_step_inputs(tree, gen, case) -> None:
     num_nodes = int(torch.randint(1, width + 1, (1,), generator=gen))
     slots = torch.full((padded,), -1, dtype=torch.int64)
     slots[:num_reqs] = torch.randperm(num_slots, generator=gen)[:num_reqs]
+    slots[:num_reqs][torch.rand(num_reqs, generator=gen) < 0.3] = -2  # prefill chunks of n tokens: chains
     seq_lens = torch.zeros(padded, dtype=torch.int32)
     seq_lens[:num_reqs] = num_nodes + torch.randint(0, 300, (num_reqs,), generator=gen, dtype=torch.int32)
     positions = torch.randint(0, 500, (padded * num_nodes,), generator=gen)

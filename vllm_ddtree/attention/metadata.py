@@ -10,6 +10,11 @@ of its capture, so the tree inputs must live at fixed addresses. With `Persisten
 writes its masks, node counts and context lengths into preallocated buffers and points everything else at vLLM's
 own persistent tensors (query_start_loc, seq_lens, block table), padded to the backend's (padded) request count with
 0-node requests; the capture's dummy batch is laid out the same way (`dummy_tree_step`).
+
+vLLM (V1 and V2 alike) replays the FULL graph of n tokens a request for every batch whose requests all have n
+scheduled tokens, drafts or not: a prefill chunk of exactly n tokens, alone or beside n-node trees, replays the tree
+graph too. So in a uniform batch (`uniform_nodes`) every request without drafts is laid out as a chain of its n
+tokens (a chain's ancestor mask is the causal mask), and the persistent buffers are written for it as well.
 """
 
 from __future__ import annotations
@@ -85,6 +90,13 @@ class PersistentTreeBuffers:
         )
 
 
+def uniform_nodes(num_reqs: int, num_tokens: int, max_query_len: int, width: int) -> int | None:
+    """n when every one of the batch's requests has n scheduled tokens, 2 <= n <= width (B + 1): the batches vLLM
+    may run in the FULL graph of n-node trees, whether or not their requests have drafts; None otherwise."""
+    uniform = num_reqs > 0 and num_tokens == num_reqs * max_query_len
+    return max_query_len if uniform and 2 <= max_query_len <= width else None
+
+
 def dummy_tree_step(num_reqs: int, num_nodes: int, width: int, device: torch.device) -> TreeStep:
     """Every request a chain of `num_nodes` <= `width` nodes, padded to `width`: the layout of a uniform verification
     batch (graph capture)."""
@@ -134,14 +146,15 @@ class TreeAttentionMetadataBuilder:
         self.target_layer_names = target_layer_names
         self.persistent = persistent
 
-    def build(self, step: TreeStep, backend_metadata) -> TreeAttentionMetadata | None:
+    def build(self, step: TreeStep, backend_metadata, uniform: int | None = None) -> TreeAttentionMetadata | None:
+        """`uniform`: n if every request of the batch has n scheduled tokens (`uniform_nodes`), else None."""
         if step.tree_reqs_cpu.size == 0:
             return None
         device = step.parents.device
         all_trees = step.tree_reqs_cpu.size == step.num_nodes_cpu.size
+        if self.persistent is not None and (all_trees or uniform is not None):
+            return self._build_persistent(step, backend_metadata, None if all_trees else uniform)
         tree_reqs = step.tree_reqs if step.tree_reqs is not None else to_device(step.tree_reqs_cpu, device)
-        if all_trees and self.persistent is not None:
-            return self._build_persistent(step, backend_metadata, tree_reqs)
         seq_lens = backend_metadata.seq_lens[tree_reqs].to(torch.int64)
         max_seq_len = getattr(backend_metadata, "max_seq_len", None)
         if max_seq_len is None:  # backends without a host copy (CPU): one sync per step
@@ -164,22 +177,28 @@ class TreeAttentionMetadataBuilder:
             backend_rows=backend_rows(node_mask, num_nodes, query_start) if backend_rows_requested() else None,
         )
 
-    def _build_persistent(self, step: TreeStep, backend_metadata, tree_reqs: torch.Tensor) -> TreeAttentionMetadata:
+    def _build_persistent(self, step: TreeStep, backend_metadata, chain_nodes: int | None) -> TreeAttentionMetadata:
         """All-tree steps with FULL CUDA graphs: fixed-address tensors only, rows padded to the backend's request
-        count (padding requests have 0 nodes, so the kernels skip them)."""
+        count (padding requests have 0 nodes, so the kernels skip them). `chain_nodes` n: a uniform batch with
+        requests that have no drafts (prefill chunks of n tokens): each of them is a chain of n nodes."""
         buffers = self.persistent
         num_reqs, padded = step.num_nodes.shape[0], backend_metadata.seq_lens.shape[0]
         node_mask, num_nodes = buffers.node_mask[:padded], buffers.num_nodes[:padded]
         context_lens = buffers.context_lens[:padded]
-        if use_triton(step.parents):  # one launch
+        parents, step_num_nodes = step.parents, step.num_nodes
+        if chain_nodes is not None:
+            chain = torch.arange(step.width, device=parents.device) - 1  # [N]
+            parents = torch.where((step_num_nodes > 1)[:, None], parents, chain)  # [R, N]
+            step_num_nodes = torch.full_like(step_num_nodes, chain_nodes)
+        if use_triton(parents):  # one launch
             from vllm_ddtree.tree.triton_layout import padded_tree_inputs_triton_
 
-            padded_tree_inputs_triton_(step.parents, step.num_nodes, backend_metadata.seq_lens, node_mask,
+            padded_tree_inputs_triton_(parents, step_num_nodes, backend_metadata.seq_lens, node_mask,
                                        num_nodes, context_lens)  # fmt: skip
         else:
-            node_mask[:num_reqs].copy_(ancestor_mask(step.parents))
+            node_mask[:num_reqs].copy_(ancestor_mask(parents))
             node_mask[num_reqs:].zero_()
-            num_nodes[:num_reqs].copy_(step.num_nodes)
+            num_nodes[:num_reqs].copy_(step_num_nodes)
             num_nodes[num_reqs:].zero_()
             torch.sub(backend_metadata.seq_lens, num_nodes, out=context_lens)
         kept_backend_rows = None
@@ -188,9 +207,15 @@ class TreeAttentionMetadataBuilder:
             fresh = backend_rows(node_mask, num_nodes, backend_metadata.query_start_loc[:padded])
             for buffer, values in zip(kept_backend_rows, fresh):
                 buffer.copy_(values)
+        if chain_nodes is None:
+            num_nodes_cpu = step.num_nodes_cpu.tolist()
+            tree_reqs = step.tree_reqs if step.tree_reqs is not None else to_device(step.tree_reqs_cpu, parents.device)
+        else:
+            num_nodes_cpu = [chain_nodes] * num_reqs
+            tree_reqs = torch.arange(num_reqs, device=parents.device)
         return TreeAttentionMetadata(
             tree_reqs=tree_reqs,
-            num_nodes_cpu=step.num_nodes_cpu.tolist() + [0] * (padded - num_reqs),
+            num_nodes_cpu=num_nodes_cpu + [0] * (padded - num_reqs),
             query_start=backend_metadata.query_start_loc[:padded],
             seq_lens=backend_metadata.seq_lens,
             block_table=backend_metadata.block_table,
@@ -212,8 +237,9 @@ class TreeAttentionMetadataBuilder:
                     return backend_metadata
         return None
 
-    def attach(self, step: TreeStep, attn_metadata) -> None:
-        """Attach tree metadata to the target layers' entries of vLLM's per-layer metadata (dict or list)."""
+    def attach(self, step: TreeStep, attn_metadata, uniform: int | None = None) -> None:
+        """Attach tree metadata to the target layers' entries of vLLM's per-layer metadata (dict or list).
+        `uniform`: as in `build`."""
         per_layer_dicts = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]
         built: dict[int, TreeAttentionMetadata | None] = {}
         for per_layer in per_layer_dicts:
@@ -222,5 +248,5 @@ class TreeAttentionMetadataBuilder:
                     continue
                 key = id(backend_metadata)
                 if key not in built:
-                    built[key] = self.build(step, backend_metadata)
+                    built[key] = self.build(step, backend_metadata, uniform)
                 setattr(backend_metadata, ATTRIBUTE, built[key])

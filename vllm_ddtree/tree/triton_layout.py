@@ -71,11 +71,11 @@ def _padded_tree_inputs_kernel(
 
 @jit_unspecialized()
 def _uniform_step_inputs_kernel(
-    slots_ptr,  # [P] int64 request slot of each (padded) request, -1 for the graph's padding requests
+    slots_ptr,  # [P] int64: request slot (a kept tree), -2 (a chain: a prefill chunk of n tokens), -1 (padding)
     kept_parents_ptr,  # [S, N] int64 the trees kept by request slot, -1 for the root
     kept_depths_ptr,  # [S, N] int64
     seq_lens_ptr,  # [P] int32, context + nodes of every (padded) request
-    positions_ptr,  # [P * n] int64 in/out: chain positions in, root position + depth out (real requests)
+    positions_ptr,  # [P * n] int64 in/out: chain positions in, root position + depth out (kept trees)
     parents_ptr,  # [P, N] int64 out: the step's parents (real requests)
     depths_ptr,  # [P, N] int64 out: depth of the padded node index (real requests)
     mask_ptr,  # [P, N, N] uint8 out: ancestor masks, zero rows for padding requests
@@ -89,17 +89,21 @@ def _uniform_step_inputs_kernel(
     node = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     slot = tl.load(slots_ptr + req)
-    real = slot >= 0
-    if real:
+    real = slot != -1
+    padded_node = tl.minimum(node, n - 1)  # a padded node aliases node n - 1
+    if slot >= 0:  # a kept tree
         row = _ancestor_row(kept_parents_ptr, slot, node, N, cols)
-        depth = tl.load(kept_depths_ptr + slot * N + tl.minimum(node, n - 1))  # a padded node aliases node n - 1
+        depth = tl.load(kept_depths_ptr + slot * N + padded_node)
         tl.store(parents_ptr + req * N + node, tl.load(kept_parents_ptr + slot * N + node))
         tl.store(depths_ptr + req * N + node, depth)
-        if node < n:  # the root's own entry writes back its position (depth 0): the read cannot race with it
+        if node > 0 and node < n:  # other programs write node 0's token: the root keeps its position
             root_position = tl.load(positions_ptr + req * n)
             tl.store(positions_ptr + req * n + node, root_position + depth)
-    else:
-        row = cols < 0
+    else:  # a chain (its positions stay), or a padding request (nothing but zero masks and counts)
+        row = (cols <= node) & real
+        if real:
+            tl.store(parents_ptr + req * N + node, (node - 1).to(tl.int64))
+            tl.store(depths_ptr + req * N + node, padded_node.to(tl.int64))
     tl.store(mask_ptr + (req * N + node) * N + cols, row.to(tl.uint8), mask=cols < N)
     if node == 0:
         num_nodes = tl.where(real, n, 0).to(tl.int32)

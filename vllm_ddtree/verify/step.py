@@ -171,12 +171,15 @@ def build_uniform_tree_step(
     )  # fmt: skip
 
 
+PADDING_SLOT, CHAIN_SLOT = -1, -2  # `uniform_step_inputs_`'s slots for padding requests and prefill chunks
+
+
 def uniform_step_inputs_(
-    slots: torch.Tensor,  # [P] int64 request slot of each (padded) request, -1 for padding requests
+    slots: torch.Tensor,  # [P] int64: request slot, CHAIN_SLOT (a prefill chunk of n tokens) or PADDING_SLOT
     kept_parents: torch.Tensor,  # [S, N] int64 the trees kept by request slot
     kept_depths: torch.Tensor,  # [S, N] int64
     seq_lens: torch.Tensor,  # [P] int32, context + nodes
-    positions: torch.Tensor,  # [P * n] int64: chain positions in, root position + depth out (real requests)
+    positions: torch.Tensor,  # [P * n] int64: chain positions in, root position + depth out (kept trees)
     parents: torch.Tensor,  # [P, N] int64 out (rows of padding requests unspecified)
     depths: torch.Tensor,  # [P, N] int64 out, depth of the padded node index (rows of padding requests unspecified)
     node_mask: torch.Tensor,  # [P, N, N] uint8 out: ancestor masks, zero for padding requests
@@ -184,9 +187,10 @@ def uniform_step_inputs_(
     context_lens: torch.Tensor,  # [P] int32 out: seq_lens - num_nodes_out
     num_nodes: int,  # n <= N nodes per request, root included
 ) -> None:
-    """A uniform verification step (every request n nodes, every request's tree kept by its slot) laid out from
-    fixed-address buffers only: `build_uniform_tree_step`'s parents, depths and positions plus the FULL-graph tree
-    inputs of `TreeAttentionMetadataBuilder._build_persistent`, in one launch on CUDA. With no host values it can
+    """A uniform batch (every request n scheduled tokens) laid out from fixed-address buffers only: a request with
+    a slot is a verification of its kept tree (`build_uniform_tree_step`'s parents, depths and positions), a
+    CHAIN_SLOT request a chain of n nodes (a prefill chunk: positions left alone, causal masks); plus the FULL-graph
+    tree inputs of `TreeAttentionMetadataBuilder._build_persistent`. One launch on CUDA. With no host values it can
     run inside the target's captured graph (`GraphStepLayouts`)."""
     if use_triton(slots):
         from vllm_ddtree.tree.triton_layout import uniform_step_inputs_triton_
@@ -197,16 +201,18 @@ def uniform_step_inputs_(
     from vllm_ddtree.tree.layout import ancestor_mask
 
     padded, width = parents.shape
-    real = slots >= 0  # [P]
+    tree = (slots >= 0)[:, None]  # [P, 1]
+    real = slots != PADDING_SLOT  # [P]
     kept = slots.clamp(min=0)
-    node = torch.arange(width, device=slots.device).clamp(max=num_nodes - 1)  # [N] padded node index
-    parents.copy_(kept_parents[kept])
-    depths.copy_(kept_depths[kept][:, node])
+    chain = torch.arange(width, device=slots.device)  # [N]
+    node = chain.clamp(max=num_nodes - 1)  # [N] padded node index
+    parents.copy_(torch.where(tree, kept_parents[kept], chain - 1))
+    depths.copy_(torch.where(tree, kept_depths[kept][:, node], node))
     node_mask.copy_(ancestor_mask(parents) & real[:, None, None])
     num_nodes_out.copy_(torch.where(real, num_nodes, 0))
     torch.sub(seq_lens, num_nodes_out, out=context_lens)
     tokens = positions.view(padded, num_nodes)  # [P, n]
-    tokens.copy_(torch.where(real[:, None], tokens[:, :1] + depths[:, :num_nodes], tokens))
+    tokens.copy_(torch.where(tree, tokens[:, :1] + depths[:, :num_nodes], tokens))
 
 
 class GraphStepLayouts:
@@ -219,7 +225,7 @@ class GraphStepLayouts:
     def __init__(self, uniform: UniformStepLayouts, max_reqs: int, device: torch.device):
         width = uniform.width
         self.uniform = uniform
-        self.slots = torch.full((max_reqs,), -1, dtype=torch.int64, device=device)  # [max_reqs]
+        self.slots = torch.full((max_reqs,), PADDING_SLOT, dtype=torch.int64, device=device)  # [max_reqs]
         chain = torch.arange(width, dtype=torch.int64, device=device)
         self.parents = (chain - 1).repeat(max_reqs, 1)  # [max_reqs, N] the step's parents, written in the graph
         self.depths = chain.repeat(max_reqs, 1)  # [max_reqs, N]
@@ -229,19 +235,33 @@ class GraphStepLayouts:
         self._steps: dict[tuple[int, int], TreeStep] = {}
 
     def write_inputs_(self, positions: torch.Tensor, kept_parents: torch.Tensor, kept_depths: torch.Tensor,
-                      tree_inputs) -> None:  # fmt: skip
+                      tree_inputs, recorded: bool) -> None:  # fmt: skip
         """In the target's forward while `capturing`: the step's layout and tree inputs, captured with it.
-        `positions`: [P * n] the forward's own input; `tree_inputs`: the metadata builder's PersistentTreeBuffers."""
+        `positions`: [P * n] the forward's own input; `tree_inputs`: the metadata builder's PersistentTreeBuffers;
+        `recorded`: this forward is being recorded into a CUDA graph (not the eager warm-up before it)."""
         num_nodes, seq_lens = self.capturing
         padded = seq_lens.shape[0]
-        if positions.shape[0] != padded * num_nodes:
+        if positions.dim() != 1 or positions.shape[0] != padded * num_nodes:
             return
         uniform_step_inputs_(
             self.slots[:padded], kept_parents, kept_depths, seq_lens, positions, self.parents[:padded],
             self.depths[:padded], tree_inputs.node_mask[:padded], tree_inputs.num_nodes[:padded],
             tree_inputs.context_lens[:padded], num_nodes,
         )  # fmt: skip
-        self.captured.add((padded, num_nodes))
+        if recorded:
+            self.captured.add((padded, num_nodes))
+
+    def set_slots_(self, num_reqs: int, padded: int, num_nodes: int, tree_slots: torch.Tensor | None) -> None:
+        """A step laid out on the host that replays the graph of (padded, n): the slots that make the graph write the
+        same layout. `tree_slots`: [R] each request's slot if it has drafts, else CHAIN_SLOT; None: all chains."""
+        if (padded, num_nodes) not in self.captured:
+            return
+        if tree_slots is None:
+            self.slots[:num_reqs].fill_(CHAIN_SLOT)
+        else:
+            self.slots[:num_reqs].copy_(tree_slots)
+        if padded > num_reqs:
+            self.slots[num_reqs:padded].fill_(PADDING_SLOT)
 
     def step(self, num_reqs: int, padded: int, num_nodes: int, slots: torch.Tensor) -> TreeStep | None:
         """Before replaying the graph of (padded, n): this step's request slots ([R] V2's idx_mapping) into `slots`
@@ -250,7 +270,7 @@ class GraphStepLayouts:
             return None
         self.slots[:num_reqs].copy_(slots)
         if padded > num_reqs:
-            self.slots[num_reqs:padded].fill_(-1)
+            self.slots[num_reqs:padded].fill_(PADDING_SLOT)
         key = (num_reqs, num_nodes)
         if key not in self._steps:
             num_nodes_t, node_rows, _, tree_reqs, num_nodes_cpu, tree_reqs_cpu = self.uniform.constants(*key)
