@@ -380,7 +380,9 @@ def plot(rows: list[dict], out: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no plots")
+        if not getattr(plot, "warned", False):
+            plot.warned = True
+            print("matplotlib is not installed: no plots")
         return
     for temperature in sorted({r["temperature"] for r in rows}):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -479,9 +481,7 @@ def main() -> None:
         greedy_tokens = {k: v for path in greedy if path.is_file() for k, v in json.loads(path.read_text()).items()}
         Path(args.out).mkdir(parents=True, exist_ok=True)
         write_results(Path(args.out), args, rows, greedy_tokens)
-        combined = combine_rounds(rows)
-        print(markdown_table(combined))
-        plot(combined, Path(args.out))
+        print(markdown_table(combine_rounds(rows)))
         return
     if not args.target:
         parser.error("--target is required (or --plot-from)")
@@ -536,7 +536,6 @@ def main() -> None:
     print(greedy_agreement(combined, greedy_tokens))
     if args.interleave:
         print(round_ratios(rows))
-    plot(combined, out)
 
 
 def start_engine(name: str, spec: dict | None, args, block_size: int, memory_utilization: float):
@@ -645,7 +644,8 @@ GREEDY_TOKENS = "greedy_tokens.json"
 
 def write_results(out: Path, args, round_rows: list[dict], greedy_tokens: dict | None = None) -> None:
     """results.json (`rows`: one per method, temperature and batch, its rounds combined; `round_rows`: as measured),
-    table.md (with each round's ratios to the chain when the run had rounds), greedy_tokens.json."""
+    table.md (with each round's ratios to the chain when the run had rounds), greedy_tokens.json, the plots (so a
+    run cut by its time limit keeps them too: session 23's was, and wrote none)."""
     switches = {k: v for k, v in os.environ.items() if k.startswith("VLLM_DDTREE_")}  # e.g. VLLM_DDTREE_BACKEND_ROWS
     setup = {**vars(args), "environment": switches}
     rows = combine_rounds(round_rows)
@@ -664,6 +664,7 @@ def write_results(out: Path, args, round_rows: list[dict], greedy_tokens: dict |
         agreement = greedy_agreement(rows, greedy_tokens)
         table += f"\nT = 0 answers against no speculation's:\n\n{agreement}\n" if agreement else ""
     (out / "table.md").write_text(table)
+    plot(rows, out)
 
 
 if __name__ == "__main__":

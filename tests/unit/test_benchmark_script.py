@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 from unittest import mock
 
+import pytest
+
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
@@ -172,6 +174,20 @@ def test_rounds_of_a_row_add_up_and_their_ratios_are_taken_within_each_round():
     old = [{"method": "none", "temperature": 1.0, "batch": 1, "output_tokens": 100 * n, "seconds": 1.0, "passes": 1,
             "output_tokens_per_s": 100.0 * n, "acceptance_length": None} for n in (1, 2)]  # two old files' rows
     assert bench.combine_rounds(old)[0]["output_tokens_per_s"] == 150.0
+
+
+def test_every_results_write_draws_the_plots_too(tmp_path):
+    """A run cut by its time limit keeps its plots: `write_results` (after every round or method) draws them."""
+    pytest.importorskip("matplotlib")
+    from argparse import Namespace
+
+    bench = load_benchmark()
+    rows = [{"method": m, "temperature": t, "batch": b, "prompts": 16, "passes": 1,
+             **bench.speed_and_acceptance(1000 * b, 1.0, b, 100, accepted, [accepted])}
+            for m, accepted in (("dflash", 100), ("ddtree-B32", 200)) for t in (0.0, 1.0) for b in (1, 4)]  # fmt: skip
+    bench.write_results(tmp_path, Namespace(interleave=0), rows)
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["throughput_T0.0.png", "throughput_T1.0.png"]
+    assert (tmp_path / "table.md").read_text().startswith("| method")
 
 
 def test_cpu_lists_read_as_taskset_writes_them_and_the_host_probe_times_fixed_work():
