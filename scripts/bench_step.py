@@ -145,7 +145,8 @@ def graph_capture_sizes(spec: dict | None, max_num_seqs: int, drafter: str | Non
     """`benchmark.py`'s capture sizes, so every uniform verification step replays a FULL graph. Powers of two alone
     left a batch-1 step of B = 64 (65 tokens, bucket 128) piecewise with tree attention eager: session 21's batch-1
     profile ran 23 of its 24 DDTree steps so (11 ms a step)."""
-    capture_sizes, drafts_by_batch_size = benchmark_script().capture_sizes, benchmark_script().drafts_by_batch_size
+    benchmark = benchmark_script()
+    capture_sizes, drafts_by_batch_size = benchmark.capture_sizes, benchmark.drafts_by_batch_size
 
     block_size = 0  # no drafter graphs without speculation
     if spec is not None and drafter is not None:

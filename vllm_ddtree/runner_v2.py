@@ -398,8 +398,10 @@ def _slots_for_host_laid_out_step(state: DDTreeV2State, mode, builder, metadata,
     does not lay out its steps) that still replays a graph which does: its request slots go in so that the graph
     writes the same layout, the kept tree for requests with drafts, a chain for the others."""
     layouts = state.graph_layouts
+    if layouts is None or uniform is None or getattr(mode, "name", None) != "FULL":
+        return  # the default (no layout_in_graph) returns here, before any work: this runs every step
     backend = builder.backend_metadata_of(metadata)
-    if layouts is None or uniform is None or backend is None or getattr(mode, "name", None) != "FULL":
+    if backend is None:
         return
     step = state.step
     tree_slots = None if step is None else torch.where(step.num_nodes > 1, input_batch.idx_mapping, CHAIN_SLOT)

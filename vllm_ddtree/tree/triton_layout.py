@@ -141,7 +141,7 @@ def padded_tree_inputs_triton_(
 
 
 def uniform_step_inputs_triton_(
-    slots: torch.Tensor,  # [P] int64, -1 for padding requests
+    slots: torch.Tensor,  # [P] int64: request slot, -2 (a chain), -1 (padding)
     kept_parents: torch.Tensor,  # [S, N] int64
     kept_depths: torch.Tensor,  # [S, N] int64
     seq_lens: torch.Tensor,  # [P] int32
