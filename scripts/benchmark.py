@@ -219,6 +219,15 @@ def rotated(items: list, shift: int) -> list:
     return items[shift:] + items[:shift]
 
 
+def round_order(engines: list, temperatures: list, batch_sizes: list, round_index: int) -> list[tuple]:
+    """(temperature, batch, engine) in the order round `round_index` of an interleaved run measures them: the rows
+    rotated by one each round, so no row always opens a round (right after the previous round's largest rows and the
+    results' writing), and within each row the engines rotated, so no method always runs first."""
+    rows = [(temperature, batch) for temperature in temperatures for batch in batch_sizes]
+    return [(temperature, batch, engine) for temperature, batch in rotated(rows, round_index)
+            for engine in rotated(engines, round_index)]  # fmt: skip
+
+
 def combine_rounds(rows: list[dict]) -> list[dict]:
     """One row per (run, method, temperature, batch) from the rows of every round of that run (`run`: one
     benchmark.py invocation; rows of other runs, from --resume or --plot-from, stay apart): tokens, seconds and
@@ -611,7 +620,7 @@ def show_progress(progress, row: dict) -> None:
 def run_interleaved(plan: list, args, block_size: int, out: Path, rows: list, greedy_tokens: dict, progress) -> None:
     """--interleave ROUNDS: every method's engine is started first (each in its own engine-core process, with an
     equal share of --gpu-memory-utilization), then each round measures every (temperature, batch) row for all
-    methods one after the other, the methods' order rotated from round to round. Methods are then compared within
+    methods one after the other, the rows' and the methods' order rotated from round to round (`round_order`). Methods are then compared within
     minutes of each other, not one engine's lifetime apart: on the H200 machines the host ran one engine's whole
     profile at half the speed of the engine before it (session 22), which no later engine could undo."""
     from vllm_ddtree.compat import shutdown_llm
@@ -627,12 +636,11 @@ def run_interleaved(plan: list, args, block_size: int, out: Path, rows: list, gr
         for _, llm, _ in engines:
             warm_up(llm, prompts, args)
         for round_index in range(args.interleave):
-            for temperature in args.temperatures:
-                for batch in args.batch_sizes:
-                    for name, llm, init_s in rotated(engines, round_index):
-                        rows.append(measure_row(llm, name, init_s, prompts, temperature, batch, args, greedy_tokens,
-                                                round_index))  # fmt: skip
-                        show_progress(progress, rows[-1])
+            for temperature, batch, (name, llm, init_s) in round_order(engines, args.temperatures, args.batch_sizes,
+                                                                       round_index):  # fmt: skip
+                rows.append(measure_row(llm, name, init_s, prompts, temperature, batch, args, greedy_tokens,
+                                        round_index))  # fmt: skip
+                show_progress(progress, rows[-1])
             write_results(out, args, rows, greedy_tokens)  # after every round: a run cut short keeps what it measured
     finally:
         for _, llm, _ in engines:

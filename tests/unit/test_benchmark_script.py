@@ -176,6 +176,18 @@ def test_rounds_of_a_row_add_up_and_their_ratios_are_taken_within_each_round():
     assert bench.combine_rounds(old)[0]["output_tokens_per_s"] == 150.0
 
 
+def test_each_round_opens_with_another_row_and_another_method():
+    """--interleave: every round measures every (temperature, batch) row once for every method; across rounds each
+    row opens a round once (none always follows the previous round's largest rows) and the methods take turns."""
+    bench = load_benchmark()
+    rounds = [bench.round_order(["chain", "tree"], [0.0, 1.0], [1, 4], r) for r in range(4)]
+    for order in rounds:
+        assert sorted(order) == sorted((t, b, e) for t in (0.0, 1.0) for b in (1, 4) for e in ("chain", "tree"))
+    assert [order[0][:2] for order in rounds] == [(0.0, 1), (0.0, 4), (1.0, 1), (1.0, 4)]
+    assert [order[0][2] for order in rounds] == ["chain", "tree", "chain", "tree"]
+    assert rounds[1][:4] == [(0.0, 4, "tree"), (0.0, 4, "chain"), (1.0, 1, "tree"), (1.0, 1, "chain")]
+
+
 def test_every_results_write_draws_the_plots_too(tmp_path):
     """A run cut by its time limit keeps its plots: `write_results` (after every round or method) draws them."""
     pytest.importorskip("matplotlib")
