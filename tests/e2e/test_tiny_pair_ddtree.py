@@ -110,3 +110,19 @@ def test_budget_per_batch_size(prompts, baseline):
     assert small * drafts < draft_tokens < budget * drafts  # both tree sizes were verified
     assert per_pos[small] > 0  # paths past the small tree's reach: the whole tree at small batches
     assert result.acceptance_length > 2.0, m
+
+
+def test_one_token_per_depth_verifies_the_chains_own_drafts(prompts, baseline):
+    """With `max_topk` 1 and B = block - 1 the best-first tree is the chain of the drafter's argmaxes, i.e. vLLM's
+    DFlash chain drafts, verified through DDTree's path (tree layout, ancestor masks, walk, KV compaction, the
+    drafter conditioned on the accepted nodes). So it accepts what the chain accepts, position by position, and
+    both keep the output of no speculation (benchmark.py's `-chaintree`: DDTree's cost at the chain's acceptance)."""
+    depth = BLOCK_SIZE - 1
+    chain = run(TARGET, {"method": "dflash", "model": DRAFTER, "num_speculative_tokens": depth}, prompts, greedy(96),
+                **ENGINE)  # fmt: skip
+    tree = run(TARGET, dict(ddtree(depth), max_topk=1), prompts, greedy(96), **ENGINE)
+    assert chain.token_ids == baseline.token_ids and tree.token_ids == baseline.token_ids
+    for name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos"):
+        assert tree.metrics[name] == chain.metrics[name], name
+    assert tree.acceptance_length > 3.0, tree.metrics

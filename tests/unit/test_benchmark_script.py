@@ -87,7 +87,7 @@ def test_schedules_become_ddtree_methods():
     }
 
 
-def test_method_names_take_the_in_graph_and_runner_suffixes():
+def test_method_names_take_the_switch_and_runner_suffixes():
     bench = load_benchmark()
     by_name = dict(bench.methods("/d", 16, [32]))
     b32 = {"method": "ddtree", "model": "/d", "num_speculative_tokens": 32}
@@ -99,6 +99,8 @@ def test_method_names_take_the_in_graph_and_runner_suffixes():
     assert bench.spec_of_name("ddtree-B32-ingraph-layoutgraph", by_name) == both
     assert bench.spec_of_name("ddtree-B32-layoutgraph-ingraph-v2", by_name) == both
     assert bench.spec_of_name("ddtree-B32-treeafter", by_name) == {**b32, "tree_in_graph": False}
+    assert bench.spec_of_name("ddtree-B32-chaintree-layoutgraph", by_name) == {**b32, "max_topk": 1,
+                                                                               "layout_in_graph": True}
     assert "tree_in_graph" not in by_name["ddtree-B32"]  # the plan's own spec is not changed
     assert bench.spec_of_name("none", by_name) is None
     assert bench.spec_of_name("dflash-v1", by_name) == by_name["dflash"]
