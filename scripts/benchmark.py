@@ -338,21 +338,23 @@ def suggested_schedules(rows: list[dict]) -> str:
 
 
 def greedy_agreement(rows: list[dict], tokens: dict[str, list[list[int]]]) -> str:
-    """Markdown: at T = 0, how far each speculative method's answers stay identical to no speculation's (same
-    prompts, same batch): prompts identical to the end, and the mean index of the first differing token. In bf16
-    every speculative method computes its verified rows with other kernels than one-token decoding, so near-tied
-    argmaxes may flip; DDTree should drift no more than vLLM's chain (issue 3)."""
-    lines = ["| method | batch | identical prompts | mean first difference (tokens) | mean answer length |",
-             "| --- | --- | --- | --- | --- |"]
-    for r in rows:
-        base = tokens.get(greedy_key("none", r["batch"]))
-        ours = tokens.get(greedy_key(r["method"], r["batch"]))
-        if r["temperature"] != 0 or r["method"] == "none" or base is None or ours is None:
-            continue
-        firsts = [first_difference(a, b) for a, b in zip(ours, base)]
-        same = sum(a == b for a, b in zip(ours, base))
-        lines.append(f"| {r['method']} | {r['batch']} | {same} / {len(base)} | {sum(firsts) / len(firsts):.1f} | "
-                     f"{sum(map(len, base)) / len(base):.1f} |")
+    """Markdown: at T = 0, how far each speculative method's answers stay identical to no speculation's and to the
+    chain's (same prompts, same batch): prompts identical to the end, and the mean index of the first differing
+    token. In bf16 every speculative method computes its verified rows with other kernels than one-token decoding,
+    so near-tied argmaxes may flip; DDTree should drift no more than vLLM's chain (issue 3). Against the chain,
+    `-chaintree` (the chain's own drafts through DDTree's path) isolates DDTree's kernels."""
+    lines = ["| method | against | batch | identical prompts | mean first difference (tokens) | mean answer length |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for baseline in ("none", "dflash"):
+        for r in rows:
+            base = tokens.get(greedy_key(baseline, r["batch"]))
+            ours = tokens.get(greedy_key(r["method"], r["batch"]))
+            if r["temperature"] != 0 or r["method"] in ("none", baseline) or base is None or ours is None:
+                continue
+            firsts = [first_difference(a, b) for a, b in zip(ours, base)]
+            same = sum(a == b for a, b in zip(ours, base))
+            lines.append(f"| {r['method']} | {baseline} | {r['batch']} | {same} / {len(base)} | "
+                         f"{sum(firsts) / len(firsts):.1f} | {sum(map(len, base)) / len(base):.1f} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -623,9 +625,10 @@ def show_progress(progress, row: dict) -> None:
 def run_interleaved(plan: list, args, block_size: int, out: Path, rows: list, greedy_tokens: dict, progress) -> None:
     """--interleave ROUNDS: every method's engine is started first (each in its own engine-core process, with an
     equal share of --gpu-memory-utilization), then each round measures every (temperature, batch) row for all
-    methods one after the other, the rows' and the methods' order rotated from round to round (`round_order`). Methods are then compared within
-    minutes of each other, not one engine's lifetime apart: on the H200 machines the host ran one engine's whole
-    profile at half the speed of the engine before it (session 22), which no later engine could undo."""
+    methods one after the other, the rows' and the methods' order rotated from round to round (`round_order`).
+    Methods are then compared within minutes of each other, not one engine's lifetime apart: on the H200 machines
+    the host ran one engine's whole profile at half the speed of the engine before it (session 22), which no later
+    engine could undo."""
     from vllm_ddtree.compat import shutdown_llm
 
     if not plan:
@@ -673,7 +676,7 @@ def write_results(out: Path, args, round_rows: list[dict], greedy_tokens: dict |
     if greedy_tokens:
         (out / GREEDY_TOKENS).write_text(json.dumps(greedy_tokens))
         agreement = greedy_agreement(rows, greedy_tokens)
-        table += f"\nT = 0 answers against no speculation's:\n\n{agreement}\n" if agreement else ""
+        table += f"\nT = 0 answers against no speculation's and the chain's:\n\n{agreement}\n" if agreement else ""
     (out / "table.md").write_text(table)
     plot(rows, out)
 

@@ -32,7 +32,7 @@ def test_first_difference_is_the_first_differing_index_or_the_shorter_length():
     assert bench.first_difference([], [4]) == 0
 
 
-def test_greedy_agreement_compares_each_method_with_no_speculation_at_the_same_batch():
+def test_greedy_agreement_compares_each_method_with_no_speculation_and_the_chain_at_the_same_batch():
     bench = load_benchmark()
     rows = [
         {"method": m, "temperature": t, "batch": b}
@@ -48,11 +48,15 @@ def test_greedy_agreement_compares_each_method_with_no_speculation_at_the_same_b
     }  # ddtree-B16 at batch 4 missing: no line
     lines = bench.greedy_agreement(rows, tokens).splitlines()
     assert lines[2:] == [
-        "| dflash | 1 | 2 / 2 | 4.0 | 4.0 |",
-        "| dflash | 4 | 1 / 2 | 3.0 | 4.0 |",
-        "| ddtree-B16 | 1 | 0 / 2 | 2.0 | 4.0 |",
+        "| dflash | none | 1 | 2 / 2 | 4.0 | 4.0 |",
+        "| dflash | none | 4 | 1 / 2 | 3.0 | 4.0 |",
+        "| ddtree-B16 | none | 1 | 0 / 2 | 2.0 | 4.0 |",
+        "| ddtree-B16 | dflash | 1 | 0 / 2 | 2.0 | 4.0 |",  # and against the chain's answers
     ]
-    assert bench.greedy_agreement(rows, {}) == ""  # no T = 0 answers of none: no table
+    assert bench.greedy_agreement(rows, {}) == ""  # no T = 0 answers of a baseline: no table
+    without_none = {k: v for k, v in tokens.items() if not k.startswith("none|")}  # a run without no speculation
+    assert bench.greedy_agreement(rows, without_none).splitlines()[2:] == [
+        "| ddtree-B16 | dflash | 1 | 0 / 2 | 2.0 | 4.0 |"]
 
 
 def test_capture_sizes_hold_every_request_counts_uniform_step_exactly():
