@@ -10,7 +10,7 @@ built here (the torch version is checked against the host path in test_runner_v2
 CI has no GPU, so the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, numpy on the CPU) in a
 subprocess (the switch is read when the kernel is defined). The torch builder is itself checked against brute
 force in test_tree_build.py. Cases: budgets around and far from the depth, ties (logits on a coarse grid),
--inf logits, max_topk caps, one and several requests.
+-inf logits, max_topk caps (1: the chain), one and several requests.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import pytest
 
 def cases():
     for depth, vocab, budget, max_topk, grid in itertools.product(
-        (1, 2, 5, 15), (3, 40), (1, 2, 3, 7, 8, 15, 16, 17, 31, 64), (None, 2), (None, 0.5)
+        (1, 2, 5, 15), (3, 40), (1, 2, 3, 7, 8, 15, 16, 17, 31, 64), (None, 1, 2), (None, 0.5)
     ):
         yield depth, vocab, budget, max_topk, grid
 
