@@ -254,13 +254,16 @@ class GraphStepLayouts:
     def set_slots_(self, num_reqs: int, padded: int, num_nodes: int, tree_slots: torch.Tensor | None) -> None:
         """A step laid out on the host that replays the graph of (padded, n): the slots that make the graph write the
         same layout. `tree_slots`: [R] each request's slot if it has drafts, else CHAIN_SLOT; None: all chains."""
-        if (padded, num_nodes) not in self.captured:
-            return
-        if tree_slots is None:
-            self.slots[:num_reqs].fill_(CHAIN_SLOT)
+        if (padded, num_nodes) in self.captured:
+            self._write_slots_(CHAIN_SLOT if tree_slots is None else tree_slots, num_reqs, padded)
+
+    def _write_slots_(self, slots: torch.Tensor | int, num_reqs: int, padded: int) -> None:
+        """Rows 0..R-1 of `slots` from `slots` ([R], or one value for all), PADDING_SLOT from R up to `padded`."""
+        if isinstance(slots, int):
+            self.slots[:num_reqs].fill_(slots)
         else:
-            self.slots[:num_reqs].copy_(tree_slots)
-        if padded > num_reqs:
+            self.slots[:num_reqs].copy_(slots)
+        if padded > num_reqs:  # no empty-slice op on the per-step path
             self.slots[num_reqs:padded].fill_(PADDING_SLOT)
 
     def step(self, num_reqs: int, padded: int, num_nodes: int, slots: torch.Tensor) -> TreeStep | None:
@@ -268,9 +271,7 @@ class GraphStepLayouts:
         (padding requests -1), and its TreeStep; None if that graph does not lay out its steps."""
         if (padded, num_nodes) not in self.captured:
             return None
-        self.slots[:num_reqs].copy_(slots)
-        if padded > num_reqs:
-            self.slots[num_reqs:padded].fill_(PADDING_SLOT)
+        self._write_slots_(slots, num_reqs, padded)
         key = (num_reqs, num_nodes)
         if key not in self._steps:
             num_nodes_t, node_rows, _, tree_reqs, num_nodes_cpu, tree_reqs_cpu = self.uniform.constants(*key)
