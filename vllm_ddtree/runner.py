@@ -28,7 +28,7 @@ from vllm_ddtree.attention.metadata import (
     tree_attention_builder,
     uniform_nodes,
 )
-from vllm_ddtree.kv.compact import compact_accepted_kv_, slot_mapping_of
+from vllm_ddtree.kv.compact import compact_accepted_kv_, kv_for_the_walk, slot_mapping_of
 from vllm_ddtree.tree import WalkResult
 from vllm_ddtree.verify.scorer import node_tokens, output_logprobs, walk_and_moves_
 from vllm_ddtree.verify.step import TreeStep, build_tree_step
@@ -238,17 +238,20 @@ def install_runner_hooks() -> None:
         step = state.step
         tokens = node_tokens(step, self.input_ids.gpu)  # [R, N]
         choices = choose_nodes(logits, step, sampling_metadata, tokens)  # [rows] tokens, [rows, V] processed logits
+        slot_mappings = slot_mapping_of(self)
+        kv = kv_for_the_walk(state.layer_groups, slot_mappings, state.kv_tables, choices.token_ids)
         state.walk, state.moves, output = walk_and_moves_(
-            step, choices.token_ids, self.input_ids.gpu, state.depth, self.positions, tokens
+            step, choices.token_ids, self.input_ids.gpu, state.depth, self.positions, tokens, kv=kv
         )
         state.timer.mark("walk")
-        compact_accepted_kv_(
-            state.layer_groups,
-            *state.moves,
-            slot_mapping_of(self),
-            num_reqs=step.parents.shape[0],
-            tables=state.kv_tables,
-        )
+        if kv is None:  # else moved in the walk's launch
+            compact_accepted_kv_(
+                state.layer_groups,
+                *state.moves,
+                slot_mappings,
+                num_reqs=step.parents.shape[0],
+                tables=state.kv_tables,
+            )
         state.timer.mark("kv_compaction")
         logprobs = None
         if sampling_metadata.max_num_logprobs is not None:

@@ -228,8 +228,9 @@ def test_triton_mask_and_walk_match_torch(num_req, depth, budget, monkeypatch):
 @pytest.mark.parametrize("num_req,depth,vocab,budget", [(1, 15, 40, 15), (8, 15, 40, 64), (64, 7, 3, 128),
                                                         (3, 3, 40, 17), (5, 1, 40, 1)])
 def test_fused_walk_and_moves_match_torch(num_req, depth, vocab, budget):
-    """`walk_and_moves_triton_` (walk + accepted-path moves + sampler output + chain positions, one launch)
-    against the torch walk and `verify.scorer`'s moves on CUDA, with targets that mostly follow the tree."""
+    """`walk_and_moves_triton_` (walk + accepted-path moves + sampler output + chain positions, one launch; once
+    without and once with the KV compaction in the launch) against the torch walk, `verify.scorer`'s moves and
+    the torch compaction on CUDA, with targets that mostly follow the tree."""
     from tests.unit.test_tree_build_triton import check_walk
     from vllm_ddtree.tree import build_draft_tree
     from vllm_ddtree.tree.triton_walk import walk_tree_triton
@@ -238,7 +239,9 @@ def test_fused_walk_and_moves_match_torch(num_req, depth, vocab, budget):
     gen = torch.Generator().manual_seed(budget)
     logits = (torch.randn(num_req, depth, vocab, generator=gen) * 3).cuda()
     tree = build_draft_tree(logits, torch.zeros(num_req, dtype=torch.int64, device="cuda"), budget)
-    check_walk(tree, depth, gen, walk_tree, walk_tree_triton, dict(num_req=num_req, depth=depth, budget=budget))
+    for with_kv in (False, True):
+        case = dict(num_req=num_req, depth=depth, budget=budget, with_kv=with_kv)
+        check_walk(tree, depth, gen, walk_tree, walk_tree_triton, case, with_kv)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter check is tests/unit/test_tree_build_triton.py")

@@ -64,7 +64,7 @@ def compare(seed: int = 0) -> int:
             assert torch.equal(ancestor_mask_triton(expected.parents), ancestor_mask(expected.parents)), case
             if checked % 5 == 0:  # a fifth of the cases (the interpreter is slow): the slot form only moves rows
                 check_trees_by_slot(lp, tok, roots, expected, gen, case)
-            check_walk(expected, depth, gen, walk_tree, walk_tree_triton, case)
+            check_walk(expected, depth, gen, walk_tree, walk_tree_triton, case, with_kv=vocab == 40 and grid is None)
             check_step_layout(expected, gen, case)
             check_padded_tree_inputs(expected, gen, case)
             if checked % 3 == 0:
@@ -96,8 +96,9 @@ def check_trees_by_slot(lp, tok, roots, expected, gen, case) -> None:
     assert (parents[others] == -9).all() and (depths[others] == -9).all(), case
 
 
-def check_walk(tree, depth: int, gen, walk_tree, walk_tree_triton, case) -> None:
-    """Targets that mostly follow the tree (long paths), on a random prefix of the node list."""
+def check_walk(tree, depth: int, gen, walk_tree, walk_tree_triton, case, with_kv: bool) -> None:
+    """Targets that mostly follow the tree (long paths), on a random prefix of the node list; `with_kv`: the
+    fused launch compacts paged KV too (`check_walk_and_moves`)."""
     import torch
 
     num_req, n = tree.token_ids.shape
@@ -114,7 +115,7 @@ def check_walk(tree, depth: int, gen, walk_tree, walk_tree_triton, case) -> None
     got = walk_tree_triton(tree.token_ids, tree.parents, target, num_nodes, depth)
     for name, value in zip(("path_nodes", "num_accepted", "output_token_ids"), got):
         assert torch.equal(value, getattr(expected, name)), (case, name, value, getattr(expected, name))
-    check_walk_and_moves(tree, depth, gen, target, num_nodes, expected, case)
+    check_walk_and_moves(tree, depth, gen, target, num_nodes, expected, case, with_kv)
 
 
 def check_step_layout(tree, gen, case) -> None:
@@ -226,11 +227,12 @@ def torch_tree_kernels():
     return mock.patch.dict(os.environ, {"VLLM_DDTREE_TREE_KERNELS": "torch"})
 
 
-def check_walk_and_moves(tree, depth: int, gen, target, num_nodes, expected_walk, case) -> None:
+def check_walk_and_moves(tree, depth: int, gen, target, num_nodes, expected_walk, case, with_kv: bool) -> None:
     """The fused launch (walk + accepted-path moves + sampler output + chain positions) against
     `accepted_path_moves`, `sampled_token_ids` and `chain_positions_` on the torch walk. Requests lay out at least
     the walked nodes (more: a placeholder request walks its root only), consecutively, padding aliasing the last
-    laid-out node as in `TreeStep`."""
+    laid-out node as in `TreeStep`. `with_kv`: the launch also compacts two layers' paged KV, against the torch
+    compaction (`PagedKV.copy_slots`) of the expected moves."""
     import numpy as np
     import torch
 
@@ -263,8 +265,10 @@ def check_walk_and_moves(tree, depth: int, gen, target, num_nodes, expected_walk
     node_rows = num_tokens - 1 - node_index  # [R, N]
     choices = torch.full((num_tokens,), -9, dtype=torch.int64, device=device)
     choices[node_rows[laid]] = target[laid]
+    caches, kv = paged_caches(num_tokens, gen, device) if with_kv else ([], None)
+    expected_caches = [c.clone() for c in caches]
     *walk, src, dst, sampled = walk_and_moves_triton_(
-        input_ids, tree.parents, choices, num_nodes, depth, node_index, node_rows, laid_out, positions
+        input_ids, tree.parents, choices, num_nodes, depth, node_index, node_rows, laid_out, positions, kv
     )
     assert torch.equal(positions, expected_positions), (case, positions, expected_positions)
     for name, value in zip(("path_nodes", "num_accepted", "output_token_ids"), walk):
@@ -274,6 +278,32 @@ def check_walk_and_moves(tree, depth: int, gen, target, num_nodes, expected_walk
     assert torch.equal(dst.flatten(), expected_dst), (case, dst, expected_dst)
     expected_sampled = sampled_token_ids(expected_walk, n).to(torch.int32)
     assert torch.equal(sampled, expected_sampled), (case, sampled, expected_sampled)
+    for got, want in zip(caches, expected_caches):
+        from vllm_ddtree.kv.paged import PagedKV
+
+        slots = kv[1].to(torch.int64)
+        PagedKV.for_packed(want, HEAD_DIM).copy_slots(slots[expected_src], slots[expected_dst])
+        assert torch.equal(got, want), case
+
+
+HEAD_DIM = 8
+
+
+def paged_caches(num_tokens: int, gen, device):
+    """Two layers' paged KV caches (float32, page 4, 2 heads, `HEAD_DIM`, keys and values packed as
+    in vLLM 0.26's GPU caches) and the walk's `kv` for them: (LayerTable, [num_tokens] slot mapping, a random slot per token)."""
+    import torch
+
+    from vllm_ddtree.kv.paged import PagedKV
+    from vllm_ddtree.kv.triton_compact import LayerTable
+
+    page, heads = 4, 2
+    num_blocks = (num_tokens + 5) // page + 1
+    caches = [torch.randn((num_blocks, page, heads, 2 * HEAD_DIM), generator=gen).to(device).permute(0, 2, 1, 3)
+              for _ in range(2)]  # fmt: skip
+    views = [PagedKV.for_packed(c, HEAD_DIM) for c in caches]
+    slot_mapping = torch.randperm(num_blocks * page, generator=gen)[:num_tokens].to(device, torch.int32)
+    return caches, (LayerTable([v.keys for v in views], [v.values for v in views]), slot_mapping)
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
 """KV compaction: after the walk, the accepted path's keys and values move into the slots right after the root,
 in every target layer, so the cache looks as if the path had been decoded one token at a time.
 
-On CUDA all layers of a KV cache group move in one Triton launch (`triton_compact.py`); elsewhere (the CPU
-build) each layer is a gather then a scatter in torch.
+On CUDA all layers of a KV cache group move in one Triton launch (`triton_compact.py`), which is the walk's own
+launch where the target has one KV cache group (`kv_for_the_walk`); elsewhere (the CPU build) each layer is a
+gather then a scatter in torch.
 """
 
 from __future__ import annotations
@@ -35,6 +36,23 @@ def _layer_table(layers: list[torch.nn.Module], tables: dict):
         views = [paged_kv_for(layer.impl, layer.kv_cache) for layer in layers]
         cached = tables[key] = (layers, ptr, LayerTable([v.keys for v in views], [v.values for v in views]))
     return cached[2]
+
+
+def kv_for_the_walk(
+    groups: list[tuple[int, list[torch.nn.Module]]],  # the target layers by KV cache group (`layers_by_kv_group`)
+    slot_mappings: dict[int, torch.Tensor],  # gid -> [num_tokens] slot per scheduled token
+    tables: dict,
+    on: torch.Tensor,  # a tensor of the step (its device and the kernel choice decide)
+) -> tuple | None:
+    """(LayerTable, slot mapping) for the walk's launch to move the accepted paths' KV itself
+    (`tree.triton_walk`), where the Triton kernels run and the target's layers form one KV cache group; None
+    otherwise, and `compact_accepted_kv_` runs after the walk."""
+    from vllm_ddtree.tree.dispatch import use_triton
+
+    if len(groups) != 1 or not use_triton(on):
+        return None
+    gid, layers = groups[0]
+    return _layer_table(layers, tables), slot_mappings[gid]
 
 
 def compact_accepted_kv_(

@@ -7,6 +7,9 @@ the slot of node m + 1 and reads the slot of the accepted node at depth m + 1, w
 precede children). Node q's slot is written only by move q - 1, which comes after move m when q > m + 1, so
 every slot is read before it is overwritten. Entries with src == dst (nothing to move, padding) are skipped.
 
+`copy_kv_slot` is also the compaction stage of the walk's launch (`tree.triton_walk`), which moves the accepted
+paths' KV in the same launch that finds them when the target's layers form one KV cache group.
+
 Launch safety: no host-device synchronization, capture-safe for fixed shapes.
 """
 
@@ -19,6 +22,28 @@ import triton.language as tl
 from vllm_ddtree.triton_jit import jit_unspecialized
 
 _COPY_TYPE = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+
+
+@triton.jit
+def layer_slot_offsets(NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_HD: tl.constexpr, stride_h):  # fmt: skip
+    """([BLOCK_H, BLOCK_HD] element offsets of one slot's heads and dims from the slot's start, their mask)."""
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_HD)
+    ok = (h < NUM_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
+    return h[:, None].to(tl.int64) * stride_h + d[None, :], ok
+
+
+@triton.jit
+def copy_kv_slot(base, src, dst, inner, ok, stride_b, stride_s, v_offset, PAGE: tl.constexpr):
+    """One layer's keys and values of KV slot `src` copied to slot `dst` (nothing where they are equal)."""
+    if src != dst:
+        src_at = (src // PAGE) * stride_b + (src % PAGE) * stride_s
+        dst_at = (dst // PAGE) * stride_b + (dst % PAGE) * stride_s
+        k = tl.load(base + src_at + inner, mask=ok)
+        v = tl.load(base + v_offset + src_at + inner, mask=ok)
+        tl.store(base + dst_at + inner, k, mask=ok)
+        tl.store(base + v_offset + dst_at + inner, v, mask=ok)
 
 
 @jit_unspecialized()
@@ -36,27 +61,18 @@ def _compact_kv_kernel(
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_HD: tl.constexpr,
     COPY_TYPE: tl.constexpr,
 ):
     layer = tl.program_id(0)
     req = tl.program_id(1)
     base = tl.load(LayerBase + layer).to(tl.pointer_type(COPY_TYPE))
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    ok = (h < NUM_HEADS)[:, None] & (d < HEAD_DIM)[None, :]
-    inner = h[:, None].to(tl.int64) * stride_h + d[None, :]  # [BLOCK_H, BLOCK_D]
+    inner, ok = layer_slot_offsets(NUM_HEADS, HEAD_DIM, BLOCK_H, BLOCK_HD, stride_h)  # [BLOCK_H, BLOCK_HD]
     row = req.to(tl.int64) * num_moves
     for m in range(num_moves):
         src = tl.load(SlotMapping + tl.load(SrcToken + row + m)).to(tl.int64)
         dst = tl.load(SlotMapping + tl.load(DstToken + row + m)).to(tl.int64)
-        if src != dst:
-            src_at = (src // PAGE) * stride_b + (src % PAGE) * stride_s
-            dst_at = (dst // PAGE) * stride_b + (dst % PAGE) * stride_s
-            k = tl.load(base + src_at + inner, mask=ok)
-            v = tl.load(base + v_offset + src_at + inner, mask=ok)
-            tl.store(base + dst_at + inner, k, mask=ok)
-            tl.store(base + v_offset + dst_at + inner, v, mask=ok)
+        copy_kv_slot(base, src, dst, inner, ok, stride_b, stride_s, v_offset, PAGE)
 
 
 class LayerTable:
@@ -80,6 +96,13 @@ class LayerTable:
         self.v_offset = (first_v.data_ptr() - first_k.data_ptr()) // self.element_size
         self.key_ptrs = [k.data_ptr() for k in keys]
         self.base = torch.tensor(self.key_ptrs, dtype=torch.int64).to(first_k.device)
+        _, page, num_heads, head_dim = self.shape
+        # What a kernel that copies slots of these caches takes (`copy_kv_slot`): strides, then constexprs.
+        self.copy_args = (*self.strides, self.v_offset)
+        self.copy_constants = dict(
+            PAGE=page, NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads),
+            BLOCK_HD=triton.next_power_of_2(head_dim), COPY_TYPE=_COPY_TYPE[self.element_size],
+        )  # fmt: skip
 
 
 def compact_kv_triton_(
@@ -91,10 +114,7 @@ def compact_kv_triton_(
     num_reqs, num_moves = src.shape
     if num_reqs == 0 or num_moves == 0:
         return
-    _, page, num_heads, head_dim = table.shape
     _compact_kv_kernel[(len(table.key_ptrs), num_reqs)](
-        table.base, slot_mapping.contiguous(), src.contiguous(), dst.contiguous(), num_moves, *table.strides,
-        table.v_offset,
-        PAGE=page, NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim), COPY_TYPE=_COPY_TYPE[table.element_size], num_warps=4,
+        table.base, slot_mapping.contiguous(), src.contiguous(), dst.contiguous(), num_moves, *table.copy_args,
+        **table.copy_constants, num_warps=4,
     )  # fmt: skip

@@ -38,18 +38,20 @@ def walk_and_moves_(
     max_depth: int,
     positions: torch.Tensor,  # [num_tokens] the step's positions (tree order), put back in chain order in place
     tokens: torch.Tensor | None = None,  # [R, N] `node_tokens`, if the caller has them already (torch path)
+    kv: tuple | None = None,  # `kv.compact.kv_for_the_walk`: the launch moves the accepted paths' KV too
 ) -> tuple[WalkResult, tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     """What the runner needs after the target's choices: the walk, `accepted_path_moves` and the sampler output
     (`sampled_token_ids` as int32, [R, N]); `chain_positions_` is applied to `positions`. On CUDA all of it is
-    one Triton launch, which also reads the nodes' tokens and choices itself."""
+    one Triton launch, which also reads the nodes' tokens and choices itself (and with `kv`, compacts the KV)."""
     if use_triton(node_choices):
         from vllm_ddtree.tree.triton_walk import walk_and_moves_triton_
 
         path, num_accepted, output, src, dst, sampled = walk_and_moves_triton_(
             input_ids, step.parents, node_choices, _num_walk_nodes(step), max_depth, step.node_token_index,
-            step.node_rows, step.num_nodes, positions,
+            step.node_rows, step.num_nodes, positions, kv,
         )  # fmt: skip
         return WalkResult(path, num_accepted, output), (src.flatten(), dst.flatten()), sampled
+    assert kv is None, "kv_for_the_walk gives no KV where the walk runs in torch"
     walk = walk_step(step, node_choices, node_tokens(step, input_ids) if tokens is None else tokens, max_depth)
     chain_positions_(positions, step)
     return walk, accepted_path_moves(step, walk), sampled_token_ids(walk, step.width).to(torch.int32)

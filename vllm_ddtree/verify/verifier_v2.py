@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_ddtree.kv.compact import compact_accepted_kv_
+from vllm_ddtree.kv.compact import compact_accepted_kv_, kv_for_the_walk
 from vllm_ddtree.verify.penalties_v2 import install_tree_penalties
 from vllm_ddtree.verify.sampling import node_requests
 from vllm_ddtree.verify.scorer import walk_and_moves_
@@ -48,13 +48,16 @@ class TreeVerifier:
             sampler.sampling_states.seeds.gpu, pos, use_fp64=sampler.use_fp64_gumbel,
         )  # fmt: skip
         state.timer.mark("target_choices")
-        walk, moves, output = walk_and_moves_(step, choices, input_batch.input_ids, state.depth, input_batch.positions)
-        state.timer.mark("walk")
-        num_reqs = step.parents.shape[0]
-        compact_accepted_kv_(
-            state.layer_groups, *moves, state.slot_mappings(input_batch.num_tokens), num_reqs=num_reqs,
-            tables=state.kv_tables,
+        slot_mappings = state.slot_mappings(input_batch.num_tokens)
+        kv = kv_for_the_walk(state.layer_groups, slot_mappings, state.kv_tables, choices)  # None: compacted below
+        walk, moves, output = walk_and_moves_(
+            step, choices, input_batch.input_ids, state.depth, input_batch.positions, kv=kv
         )  # fmt: skip
+        state.timer.mark("walk")
+        if kv is None:
+            compact_accepted_kv_(
+                state.layer_groups, *moves, slot_mappings, num_reqs=step.parents.shape[0], tables=state.kv_tables
+            )  # fmt: skip
         state.timer.mark("kv_compaction")
         self.speculator.accepted_path_moves = moves
         num_sampled = (walk.num_accepted + 1).to(torch.int32)
