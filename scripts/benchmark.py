@@ -642,12 +642,14 @@ def run_interleaved(plan: list, args, block_size: int, out: Path, rows: list, gr
         for _, llm, _ in engines:
             warm_up(llm, prompts, args)
         for round_index in range(args.interleave):
-            for temperature, batch, (name, llm, init_s) in round_order(engines, args.temperatures, args.batch_sizes,
-                                                                       round_index):  # fmt: skip
+            order = round_order(engines, args.temperatures, args.batch_sizes, round_index)
+            for i, (temperature, batch, (name, llm, init_s)) in enumerate(order, 1):
                 rows.append(measure_row(llm, name, init_s, prompts, temperature, batch, args, greedy_tokens,
                                         round_index))  # fmt: skip
                 show_progress(progress, rows[-1])
-            write_results(out, args, rows, greedy_tokens)  # after every round: a run cut short keeps what it measured
+                if i % len(engines) == 0:  # a row done for every method: a run cut short keeps it (session 25's
+                    # first round alone made it into results.json, 12 rows of its second only into the log)
+                    write_results(out, args, rows, greedy_tokens, plots=i == len(order))
     finally:
         for _, llm, _ in engines:
             shutdown_llm(llm)
@@ -656,10 +658,11 @@ def run_interleaved(plan: list, args, block_size: int, out: Path, rows: list, gr
 GREEDY_TOKENS = "greedy_tokens.json"
 
 
-def write_results(out: Path, args, round_rows: list[dict], greedy_tokens: dict | None = None) -> None:
+def write_results(out: Path, args, round_rows: list[dict], greedy_tokens: dict | None = None,
+                  plots: bool = True) -> None:  # fmt: skip
     """results.json (`rows`: one per method, temperature and batch, its rounds combined; `round_rows`: as measured),
-    table.md (with each round's ratios to the chain when the run had rounds), greedy_tokens.json, the plots (so a
-    run cut by its time limit keeps them too: session 23's was, and wrote none)."""
+    table.md (with each round's ratios to the chain when the run had rounds), greedy_tokens.json, the plots unless
+    `plots` is false (so a run cut by its time limit keeps them too: session 23's was, and wrote none)."""
     switches = {k: v for k, v in os.environ.items() if k.startswith("VLLM_DDTREE_")}  # e.g. VLLM_DDTREE_BACKEND_ROWS
     setup = {**vars(args), "environment": switches}
     rows = combine_rounds(round_rows)
@@ -678,7 +681,8 @@ def write_results(out: Path, args, round_rows: list[dict], greedy_tokens: dict |
         agreement = greedy_agreement(rows, greedy_tokens)
         table += f"\nT = 0 answers against no speculation's and the chain's:\n\n{agreement}\n" if agreement else ""
     (out / "table.md").write_text(table)
-    plot(rows, out)
+    if plots:
+        plot(rows, out)
 
 
 if __name__ == "__main__":

@@ -195,7 +195,8 @@ def test_each_round_opens_with_another_row_and_another_method():
 
 
 def test_every_results_write_draws_the_plots_too(tmp_path):
-    """A run cut by its time limit keeps its plots: `write_results` (after every round or method) draws them."""
+    """A run cut by its time limit keeps its plots: `write_results` (after every method, or every round of an
+    interleaved run) draws them; the interleaved run's writes after each row (`plots=False`) write the rest."""
     pytest.importorskip("matplotlib")
     from argparse import Namespace
 
@@ -203,6 +204,8 @@ def test_every_results_write_draws_the_plots_too(tmp_path):
     rows = [{"method": m, "temperature": t, "batch": b, "prompts": 16, "passes": 1,
              **bench.speed_and_acceptance(1000 * b, 1.0, b, 100, accepted, [accepted])}
             for m, accepted in (("dflash", 100), ("ddtree-B32", 200)) for t in (0.0, 1.0) for b in (1, 4)]  # fmt: skip
+    bench.write_results(tmp_path, Namespace(interleave=0), rows, plots=False)
+    assert (tmp_path / "results.json").exists() and not list(tmp_path.glob("*.png"))
     bench.write_results(tmp_path, Namespace(interleave=0), rows)
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["throughput_T0.0.png", "throughput_T1.0.png"]
     assert (tmp_path / "table.md").read_text().startswith("| method")
