@@ -6,6 +6,8 @@
 #   .gpu/data    prompt packages and the gguf reader; .gpu/g1..gM the SmolLM2 GGUF (scripts/gpu_data.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# gpu_data.py imports the plugin (torch): a new checkout installs the CPU side first.
+python3 -c "import torch" 2>/dev/null || bash scripts/setup_cpu.sh
 # build_bundle.sh starts with `rm -rf .gpu`: the banked answers (.gpu/answers, made by a device call) are set aside.
 keep=$(mktemp -d); [ -d .gpu/answers ] && mv .gpu/answers "$keep/"
 ../shared/gpu/build_bundle.sh > /dev/null
