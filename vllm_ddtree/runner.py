@@ -266,36 +266,13 @@ def install_runner_hooks() -> None:
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
 
     @hook(GPUModelRunner, "propose_draft_token_ids")
-    def propose_draft_token_ids(
-        original,
-        self,
-        scheduler_output,
-        sampled_token_ids,
-        sampling_metadata,
-        hidden_states,
-        sample_hidden_states,
-        aux_hidden_states,
-        spec_decode_metadata,
-        common_attn_metadata,
-        slot_mappings,
-    ):
+    def propose_draft_token_ids(original, self, *args, **kwargs):
+        # The arguments pass through untouched: their list changes between vLLM releases (0.26 and 0.32 take ten).
         state = self._ddtree
         if state is not None:
             state.timer.mark("vllm_sampler_output")
-        if state is not None:
             self.drafter.accepted_path_moves = state.moves  # applied to the drafter's context (proposer.py)
-        draft_token_ids = original(
-            self,
-            scheduler_output,
-            sampled_token_ids,
-            sampling_metadata,
-            hidden_states,
-            sample_hidden_states,
-            aux_hidden_states,
-            spec_decode_metadata,
-            common_attn_metadata,
-            slot_mappings,
-        )
+        draft_token_ids = original(self, *args, **kwargs)
         if state is not None:
             state.timer.mark("draft_other")
             remember_trees_(state, self.drafter.last_tree, self.input_batch.req_ids, self.requests)
