@@ -136,20 +136,23 @@ def counters(llm) -> dict:
     return {**tally, "accepted_per_pos": list(tally["accepted_per_pos"])}
 
 
-def generate_at_concurrency(llm, prompts: list, concurrency: int, params) -> list:
+def generate_at_concurrency(llm, prompts: list, concurrency: int, params, timings: list | None = None) -> list:
     """Generate for every prompt with `concurrency` requests running at a time: an answer that ends is replaced by
     the next prompt at once (continuous batching, as a server under that load). Outputs in prompt order.
 
     Consecutive groups of `concurrency` prompts (this script until session 21) let each group drain to its longest
     answer, so a row's figure hung on how the few long answers fell into groups: at T = 1, where every method samples
-    other answers, that moved a row by more than the methods differ (session 21, batch 4)."""
+    other answers, that moved a row by more than the methods differ (session 21, batch 4).
+
+    `timings`, if given, receives [output tokens, ms from submission to the finished output] for every request."""
     engine = llm.llm_engine
     queue = list(enumerate(prompts))[::-1]  # pop() takes the next prompt
-    index_of, outputs = {}, [None] * len(prompts)
+    index_of, submitted, outputs = {}, {}, [None] * len(prompts)
 
     def submit() -> None:
         index, prompt = queue.pop()
         request_id = f"bench-{next(_REQUEST_IDS)}"  # outputs carry this id (vLLM keeps its own suffixed copy inside)
+        submitted[request_id] = time.perf_counter()
         engine.add_request(request_id, prompt, params)
         index_of[request_id] = index
 
@@ -159,9 +162,28 @@ def generate_at_concurrency(llm, prompts: list, concurrency: int, params) -> lis
         for output in engine.step():
             if output.finished:
                 outputs[index_of.pop(output.request_id)] = output
+                if timings is not None:
+                    ms = (time.perf_counter() - submitted.pop(output.request_id)) * 1e3
+                    timings.append([len(output.outputs[0].token_ids), round(ms, 3)])
                 if queue:
                     submit()
     return outputs
+
+
+def request_cost_fit(timings: list[list[float]]) -> dict | None:
+    """Least squares of a request's wall time on its output tokens, for requests that ran alone (batch 1):
+    `fixed_ms` is what a request costs besides its decode steps (tokenization, prefill, the first draft, output),
+    `ms_per_token` what each output token adds. A step figure (seconds / steps) mixes the two, and a method that
+    takes fewer steps per answer carries its fixed cost over fewer of them."""
+    if len(timings) < 3:
+        return None
+    tokens = [t for t, _ in timings]
+    mean_t, mean_ms = statistics.fmean(tokens), statistics.fmean(ms for _, ms in timings)
+    spread = sum((t - mean_t) ** 2 for t in tokens)
+    if spread == 0:
+        return None  # every answer as long: the two parts cannot be told apart
+    slope = sum((t - mean_t) * (ms - mean_ms) for t, ms in timings) / spread
+    return {"fixed_ms": mean_ms - slope * mean_t, "ms_per_token": slope, "requests": len(timings)}
 
 
 _REQUEST_IDS = itertools.count()
@@ -180,12 +202,14 @@ def measure(
         temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos, seed=seed, detokenize=False
     )
     before = counters(llm)
+    timings = [] if batch == 1 else None  # requests that run alone: `request_cost_fit`
     start = time.perf_counter()
-    outputs = generate_at_concurrency(llm, prompts, batch, params)
+    outputs = generate_at_concurrency(llm, prompts, batch, params, timings)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     passes = 1
     while time.perf_counter() - start < min_seconds:
-        tokens += sum(len(o.outputs[0].token_ids) for o in generate_at_concurrency(llm, prompts, batch, params))
+        tokens += sum(len(o.outputs[0].token_ids)
+                      for o in generate_at_concurrency(llm, prompts, batch, params, timings))  # fmt: skip
         passes += 1
     seconds = time.perf_counter() - start
     after = counters(llm)
@@ -196,6 +220,7 @@ def measure(
         **speed_and_acceptance(tokens, seconds, batch, drafts, accepted, per_pos),
         "passes": passes,
         "token_ids": [list(o.outputs[0].token_ids) for o in outputs],  # [prompts][tokens], the first pass
+        **({"request_times": timings} if timings else {}),  # [tokens, ms] per request, batch 1 only
     }
 
 
@@ -254,11 +279,27 @@ def combine_rounds(rows: list[dict]) -> list[dict]:
         else:
             totals = speed_and_acceptance(sum(r["output_tokens"] for r in group), sum(r["seconds"] for r in group),
                                           first["batch"], 0, 0, [])  # fmt: skip
+        request_times = [t for r in group for t in r.get("request_times", [])]
         combined.append({**{k: v for k, v in first.items() if k not in ("round", "host_probe_ms")}, **totals,
                          "passes": sum(r.get("passes", 1) for r in group), "rounds": len(group),
                          "round_tokens_per_s": [r["output_tokens_per_s"] for r in group],
-                         "round_host_probe_ms": [r.get("host_probe_ms") for r in group]})  # fmt: skip
+                         "round_host_probe_ms": [r.get("host_probe_ms") for r in group],
+                         **({"request_times": request_times, "request_cost": request_cost_fit(request_times)}
+                            if request_times else {})})  # fmt: skip
     return combined
+
+
+def request_cost_table(rows: list[dict]) -> str:
+    """Markdown: batch-1 rows' `request_cost` (fixed ms per request, ms per output token), beside the mean answer."""
+    lines = ["| method | temperature | requests | fixed ms per request | ms per output token | mean tokens |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for r in rows:
+        fit = r.get("request_cost")
+        if fit:
+            mean = statistics.fmean(t for t, _ in r["request_times"])
+            lines.append(f"| {r['method']} | {r['temperature']} | {fit['requests']} | {fit['fixed_ms']:.1f} | "
+                         f"{fit['ms_per_token']:.3f} | {mean:.0f} |")  # fmt: skip
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def round_ratios(rows: list[dict], baselines: tuple[str, ...] = ("dflash", "none")) -> str:
@@ -671,6 +712,9 @@ def write_results(out: Path, args, round_rows: list[dict], greedy_tokens: dict |
     interleaved = getattr(args, "interleave", 0) or any(r.get("round", 0) for r in round_rows)
     ratios = round_ratios(round_rows) if interleaved else ""
     table += f"\nWithin each round, tok/s over the baselines':\n\n{ratios}\n" if ratios else ""
+    costs = request_cost_table(rows)
+    if costs:
+        table += f"\nBatch 1, one request at a time: wall time = fixed + per output token (least squares):\n\n{costs}\n"
     fastest = fastest_by_batch(rows)
     table += f"\nFastest per temperature and batch:\n\n{fastest}\n" if fastest else ""
     schedules = suggested_schedules(rows)

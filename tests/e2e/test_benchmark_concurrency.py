@@ -43,6 +43,7 @@ def test_requests_in_flight_stay_at_the_batch_size_and_answers_match_generate(pr
         once = bench.measure(llm, [{"prompt_token_ids": p} for p in prompts[:7]], 3, 0.0, 24, 1, True)
         repeated = bench.measure(llm, [{"prompt_token_ids": p} for p in prompts[:7]], 3, 0.0, 24, 1, True,
                                  min_seconds=4 * once["seconds"])  # fmt: skip (CI ran a 1.5x pass in one, session 21)
+        alone = bench.measure(llm, [{"prompt_token_ids": p} for p in prompts[:3]], 1, 0.0, 24, 1, True)
     finally:
         close(llm)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
@@ -55,6 +56,9 @@ def test_requests_in_flight_stay_at_the_batch_size_and_answers_match_generate(pr
     assert repeated["passes"] >= 2 and repeated["output_tokens"] == repeated["passes"] * 7 * 24
     assert repeated["token_ids"] == once["token_ids"]
     assert repeated["acceptance_length"] == pytest.approx(once["acceptance_length"])
+    # Requests that ran alone are timed one by one (tokens, ms), for `request_cost_fit`; batched ones are not.
+    assert [t for t, _ in alone["request_times"]] == [24, 24, 24] and min(ms for _, ms in alone["request_times"]) > 0
+    assert sum(ms for _, ms in alone["request_times"]) <= alone["seconds"] * 1e3 and "request_times" not in once
 
 
 def test_interleaved_rounds_run_every_method_in_turn_on_engines_started_together(tmp_path):

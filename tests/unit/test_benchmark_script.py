@@ -182,6 +182,28 @@ def test_rounds_of_a_row_add_up_and_their_ratios_are_taken_within_each_round():
     assert bench.combine_rounds(old)[0]["output_tokens_per_s"] == 150.0
 
 
+def test_batch_one_requests_split_into_a_fixed_cost_and_a_cost_per_token():
+    """Requests that ran alone: least squares recovers a fixed cost and a per-token cost exactly from times that
+    follow them, rounds' requests are pooled, and the table shows the fit beside the mean answer."""
+    bench = load_benchmark()
+    times = [[tokens, 40.0 + 2.5 * tokens] for tokens in (50, 120, 256, 80)]
+    fit = bench.request_cost_fit(times)
+    assert fit["fixed_ms"] == pytest.approx(40.0) and fit["ms_per_token"] == pytest.approx(2.5)
+    assert fit["requests"] == 4
+    assert bench.request_cost_fit(times[:2]) is None  # too few requests to trust
+    assert bench.request_cost_fit([[64, 10.0], [64, 11.0], [64, 12.0]]) is None  # equal lengths: no split
+
+    def row(n, request_times):
+        return {"method": "ddtree-B32", "temperature": 0.0, "batch": 1, "round": n, "run": "r",
+                "request_times": request_times, **bench.speed_and_acceptance(100, 1.0, 1, 10, 20, [10])}
+
+    combined = bench.combine_rounds([row(0, times[:2]), row(1, times[2:])])[0]
+    assert combined["request_times"] == times and combined["request_cost"] == fit
+    table = bench.request_cost_table([combined]).splitlines()
+    assert table[2] == "| ddtree-B32 | 0.0 | 4 | 40.0 | 2.500 | 126 |"
+    assert bench.request_cost_table([bench.combine_rounds([{**row(0, []), "batch": 4}])[0]]) == ""
+
+
 def test_each_round_opens_with_another_row_and_another_method():
     """--interleave: every round measures every (temperature, batch) row once for every method; across rounds each
     row opens a round once (none always follows the previous round's largest rows) and the methods take turns."""
