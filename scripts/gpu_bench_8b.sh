@@ -9,6 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
+export PYTHONPATH="/tmp/pkgs:$PYTHONPATH"  # the prompt packages staged by gpu_stage_data.sh
 mkdir -p "$OUT/bench8b"
 timeout "${BENCH_S:-570}" python scripts/benchmark.py --target configs/qwen3-8b-shape --drafter configs/qwen3-8b-shape-dflash \
   --load-format dummy --budgets 15 32 --methods ${METHODS:-none dflash ddtree-B15 ddtree-B32} \
