@@ -31,6 +31,13 @@ Differences between the two that the plugin meets (0.26 -> 0.32):
   num_speculative_tokens = B; DDTree's drafter queries D = depth slots (`reserve_drafter_slots_for_tree_depth`).
   0.26 subtracts them from max_num_scheduled_tokens and checks the drafter's own config against that; 0.32 uses
   them in the scheduler's input budget.
+- vLLM reserves B + 1 KV lookahead slots for DFlash; DDTree's drafter needs D + 1
+  (`reserve_kv_lookahead_for_tree_depth`): the property `VllmConfig.num_lookahead_tokens` on 0.32/0.33 (0.33 also
+  caps the drafter's query batch with it, and its `max_num_new_slots_for_drafting` is 0 for DFlash, so
+  `reserve_drafter_slots_for_tree_depth` is a no-op there), `Scheduler.__init__` on 0.26.
+- `--spec-method` takes its choices from `SpeculativeConfig.method` (`accept_spec_method_in_cli` adds "ddtree"),
+  and `EngineArgs.create_speculative_config` merges `--spec-method/--spec-model/--spec-tokens` into
+  `speculative_config` only inside itself (the config hook merges them first: `engine_hooks.take_spec_flags`).
 - `DFlashProposer.set_inputs_first_pass` (called with keywords; DDTree moves the accepted paths' context rows
   there), `propose_draft_token_ids`, `_sample`, `initialize_kv_cache`, `input_batch.block_table[g]
   .slot_mapping`, `self.positions` (a plain tensor) and `self.input_ids` (a CPU/GPU buffer) match.
@@ -44,9 +51,10 @@ import os
 from unittest import mock
 
 import vllm
-from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
+from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.spec_decode.dflash import DFlashProposer
@@ -248,6 +256,68 @@ def reserve_drafter_slots_for_tree_depth(tree_depth) -> None:
 
     max_num_new_slots_for_drafting._ddtree_hook = True
     SpeculativeConfig.max_num_new_slots_for_drafting = property(max_num_new_slots_for_drafting)
+
+
+def reserve_kv_lookahead_for_tree_depth(tree_depth) -> None:
+    """Make the scheduler reserve KV for the drafter's D + 1 query slots past the accepted tokens of a DDTree
+    request (max(vLLM's lookahead, D + 1)); `tree_depth(speculative_config)` gives D for DDTree configs, else None.
+
+    vLLM reserves num_speculative_tokens + 1 = B + 1 lookahead slots for DFlash. DDTree's drafter queries the bonus
+    token and D masks after the accepted path and takes their slots from the block table, so with B < D the last
+    ones fell past the request's blocks (weaker drafts; lossless, since the target verifies). 0.32 and 0.33 read
+    the property `VllmConfig.num_lookahead_tokens` (0.33 also caps the drafter's query batch with it); 0.26 has
+    no such property and sets `Scheduler.num_lookahead_tokens` in `Scheduler.__init__`. Idempotent.
+    """
+    from vllm.config import VllmConfig
+
+    def lookahead(speculative_config, vllm_lookahead: int) -> int:
+        depth = None if speculative_config is None else tree_depth(speculative_config)
+        return vllm_lookahead if depth is None else max(vllm_lookahead, depth + 1)
+
+    original = VllmConfig.__dict__.get("num_lookahead_tokens")
+    if isinstance(original, property):
+        if getattr(original.fget, "_ddtree_hook", False):
+            return
+
+        def num_lookahead_tokens(self) -> int:
+            return lookahead(self.speculative_config, original.fget(self))
+
+        num_lookahead_tokens._ddtree_hook = True
+        VllmConfig.num_lookahead_tokens = property(num_lookahead_tokens)
+        return
+    from vllm.v1.core.sched.scheduler import Scheduler  # 0.26
+
+    original_init = Scheduler.__init__
+    if getattr(original_init, "_ddtree_hook", False):
+        return
+
+    @functools.wraps(original_init)
+    def __init__(self, vllm_config, *args, **kwargs):
+        original_init(self, vllm_config, *args, **kwargs)
+        self.num_lookahead_tokens = lookahead(vllm_config.speculative_config, self.num_lookahead_tokens)
+
+    __init__._ddtree_hook = True
+    Scheduler.__init__ = __init__
+
+
+def accept_spec_method_in_cli(method: str) -> None:
+    """Add `method` to the choices of `--spec-method` (vLLM's CLI takes them from `SpeculativeConfig.method`'s
+    Literal), so `vllm serve TARGET --spec-method ddtree --spec-model DRAFTER` parses. Plugins load in
+    `AsyncEngineArgs.add_cli_args` before it calls `EngineArgs.add_cli_args` (0.26 and 0.32). Idempotent."""
+    function = EngineArgs.__dict__["add_cli_args"].__func__
+    if getattr(function, "_ddtree_hook", False):
+        return
+
+    @functools.wraps(function)
+    def add_cli_args(parser):
+        parser = function(parser)
+        for action in parser._actions:
+            if "--spec-method" in action.option_strings and action.choices and method not in action.choices:
+                action.choices = [*action.choices, method]
+        return parser
+
+    add_cli_args._ddtree_hook = True
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
 
 
 def pad_dflash_query_buffers(proposer, vllm_config) -> None:

@@ -17,27 +17,72 @@ def tree_depth(speculative_config) -> int | None:
     return None if settings is None else settings["depth"]
 
 
+# vLLM's single-key flags and the speculative_config keys they set.
+SPEC_FLAGS = (
+    ("--spec-method", "method", "spec_method"),
+    ("--spec-model", "model", "spec_model"),
+    ("--spec-tokens", "num_speculative_tokens", "spec_tokens"),
+)
+
+
+def is_ddtree_request(engine_args) -> bool:
+    """`EngineArgs` asking for DDTree, by `speculative_config` or by `--spec-method`."""
+    spec = engine_args.speculative_config
+    from_dict = isinstance(spec, dict) and spec.get("method") == ddtree_config.METHOD
+    return from_dict or getattr(engine_args, "spec_method", None) == ddtree_config.METHOD
+
+
+def take_spec_flags(engine_args) -> None:
+    """Merge `--spec-method/--spec-model/--spec-tokens` into a copy of `speculative_config`, as vLLM does inside
+    `create_speculative_config` (with its error for a key given twice), and clear them: the hook reads the merged
+    config before vLLM would merge."""
+    spec = engine_args.speculative_config
+    for flag, key, attribute in SPEC_FLAGS:
+        value = getattr(engine_args, attribute, None)
+        if value is None:
+            continue
+        spec = dict(spec or {})
+        if key in spec:
+            raise ValueError(f"{flag} and --speculative-config['{key}'] are mutually exclusive")
+        spec[key] = value
+        setattr(engine_args, attribute, None)
+    engine_args.speculative_config = spec
+
+
 def install_config_hook() -> None:
     from vllm_ddtree.compat import (
         LOGGER_NAME,
         EngineArgs,
+        accept_spec_method_in_cli,
         choose_model_runner,
         init_logger,
         reserve_drafter_slots_for_tree_depth,
+        reserve_kv_lookahead_for_tree_depth,
     )
 
     choose_model_runner(is_ddtree, init_logger(LOGGER_NAME))
     reserve_drafter_slots_for_tree_depth(tree_depth)
+    reserve_kv_lookahead_for_tree_depth(tree_depth)
+    accept_spec_method_in_cli(ddtree_config.METHOD)
     original = EngineArgs.create_speculative_config
     if getattr(original, "_ddtree_hook", False):
         return
 
     @functools.wraps(original)
     def create_speculative_config(self, target_model_config, target_parallel_config):
-        spec = self.speculative_config
-        if not isinstance(spec, dict) or spec.get("method") != ddtree_config.METHOD:
+        if not is_ddtree_request(self):
             return original(self, target_model_config, target_parallel_config)
-        spec = {k.replace("-", "_"): v for k, v in spec.items()}
+        given = (self.speculative_config, {attribute: getattr(self, attribute, None) for *_, attribute in SPEC_FLAGS})
+        try:
+            take_spec_flags(self)
+            return ddtree_speculative_config(self, target_model_config, target_parallel_config)
+        finally:  # the arguments as given: a second call gives the same config
+            self.speculative_config = given[0]
+            for attribute, value in given[1].items():
+                setattr(self, attribute, value)
+
+    def ddtree_speculative_config(engine_args, target_model_config, target_parallel_config):
+        spec = {k.replace("-", "_"): v for k, v in engine_args.speculative_config.items()}
         dflash_spec, ddtree = ddtree_config.split_ddtree_config(spec)
         pipeline_stages = getattr(target_parallel_config, "pipeline_parallel_size", 1)
         if pipeline_stages > 1:
@@ -49,11 +94,8 @@ def install_config_hook() -> None:
         if getattr(target_model_config, "uses_mrope", False):  # both runners: tree positions are 1-D
             raise ValueError("speculative method 'ddtree' does not support M-RoPE target models yet; use method "
                              "'dflash'.")  # fmt: skip
-        self.speculative_config = dflash_spec
-        try:
-            spec_config = original(self, target_model_config, target_parallel_config)
-        finally:
-            self.speculative_config = spec
+        engine_args.speculative_config = dflash_spec
+        spec_config = original(engine_args, target_model_config, target_parallel_config)
         draft = spec_config.draft_model_config
         depth = ddtree_config.validate_models(ddtree, target_model_config.hf_config, draft.hf_config, draft.model)
         setattr(spec_config, ddtree_config.ATTRIBUTE, {**ddtree.to_dict(), "depth": depth})

@@ -47,3 +47,23 @@ def test_drafter_slots_cover_the_tree_depth(budget):
     assert tree_depth(spec) == DEPTH
     assert spec.max_num_new_slots_for_drafting == dflash_slots(max(budget, DEPTH), spec)
     assert spec.max_num_new_slots_for_drafting >= dflash_slots(DEPTH, spec) > 0
+
+
+@pytest.mark.parametrize("budget", [1, DEPTH - 1, DEPTH, DEPTH + 1, 2 * DEPTH + 3])
+def test_kv_lookahead_covers_the_drafter_queries(budget):
+    """The drafter queries the bonus token and D masks after the accepted path (slots from the block table):
+    D + 1 KV slots past it, more than vLLM's B + 1 for DFlash when B < D."""
+    config = engine_config(budget)
+    assert config.num_lookahead_tokens == max(budget, DEPTH) + 1
+
+
+@pytest.mark.slow
+def test_scheduler_reserves_the_drafter_kv():
+    """The running scheduler (in-process engine, the real CPU build) holds the lookahead, not only the config."""
+    from tests.e2e.engine import close, make_llm
+
+    llm = make_llm(TARGET, {"method": "ddtree", "model": DRAFTER, "num_speculative_tokens": 1})
+    try:
+        assert llm.llm_engine.engine_core.engine_core.scheduler.num_lookahead_tokens == DEPTH + 1
+    finally:
+        close(llm)
