@@ -14,8 +14,9 @@ Differences between the two that the plugin meets (0.26 -> 0.32):
 - Model Runner V2, 0.26 -> 0.32: `gumbel_sample` gains a required `is_drafting` (`v2_sampling` passes it where it
   exists); `PenaltiesState.apply_penalties(logits, expanded_idx_mapping, idx_mapping_np, input_ids, ...)` becomes
   `apply(logits, ctx)` (`verify/penalties_v2.py` wraps either); `RejectionSampler.__call__` gains
-  `invalid_drafts` and DFlash's `propose` / `sample_draft` gain keywords (the DDTree versions pass them on). V2
-  DDTree runs on 0.26 only so far (docs/model-runner-v2.md, section 6).
+  `invalid_drafts` and DFlash's `propose` / `sample_draft` gain keywords (the DDTree versions pass them on);
+  `Sampler.apply_sampling_params` gains `idx_mapping` and `seq_lens_upper_bound_np` (`v2_sampling` fills them
+  where they exist). V2 DDTree runs on 0.26 only so far (docs/model-runner-v2.md, section 6).
 - GPU attention backends of 0.26 (FLASH_ATTN, FLASHINFER, TRITON_ATTN, FLEX_ATTENTION) share one KV cache
   tensor per layer, logical [num_blocks, H, block_size, 2 * head_size] (keys then values), with the physical order
   set by the NHD/HND layout, and write it before `impl.forward` (`forward_includes_kv_cache_update = False`);
@@ -203,7 +204,21 @@ def v2_sampling():
             logits, expanded_idx_mapping, temperature, seeds, pos, apply_temperature=False, use_fp64=use_fp64, **extra
         )
 
+    def apply_sampling_params(sampler, logits, input_batch, pos, input_ids):
+        """[rows, V] V2's processed logits of the target's rows (penalties, temperature, min-p, top-k/top-p);
+        `pos` and `input_ids` [rows] are the rows' positions and tokens."""
+        b = input_batch
+        if "seq_lens_upper_bound_np" in inspect.signature(sampler.apply_sampling_params).parameters:  # 0.32
+            return sampler.apply_sampling_params(
+                logits, b.expanded_idx_mapping, b.idx_mapping, b.idx_mapping_np, pos, input_ids,
+                b.expanded_local_pos, b.seq_lens_cpu_upper_bound.numpy(),
+            )  # fmt: skip
+        return sampler.apply_sampling_params(  # 0.26
+            logits, b.expanded_idx_mapping, b.idx_mapping_np, pos, input_ids, b.expanded_local_pos
+        )  # fmt: skip
+
     return SimpleNamespace(
+        apply_sampling_params=apply_sampling_params,
         gumbel_sample=target_gumbel_sample,
         get_num_sampled_and_rejected=get_num_sampled_and_rejected,
         compute_topk_scores=compute_topk_scores,
@@ -227,6 +242,14 @@ def model_runner_for(method: str):
 def method_without_runner(method: str) -> str:
     """`dflash-v1` -> `dflash`, `ddtree-B32-v2` -> `ddtree-B32`: the name without its runner suffix."""
     return method.removesuffix("-v1").removesuffix("-v2")
+
+
+@functools.cache
+def speculative_config_keys() -> frozenset[str]:
+    """The keys this vLLM's `SpeculativeConfig` takes (0.33 adds e.g. `xpress_topc`, `fly_window_size`)."""
+    from vllm.config import SpeculativeConfig
+
+    return frozenset(getattr(SpeculativeConfig, "__dataclass_fields__", {}))  # a (pydantic) dataclass in 0.26-0.33
 
 
 def reserve_drafter_slots_for_tree_depth(tree_depth) -> None:

@@ -113,6 +113,14 @@ def split_ddtree_config(spec: dict[str, Any]) -> tuple[dict[str, Any], DDTreeCon
     assert spec.get("method") == METHOD
     ddtree_keys = {"max_topk", "max_depth", *_SWITCH_KEYS}
     unknown = sorted(set(spec) - _PASSTHROUGH_KEYS - ddtree_keys - set(_UNSUPPORTED_KEYS) - {"method"})
+    from vllm_ddtree.compat import speculative_config_keys
+
+    for key in unknown:
+        if key in speculative_config_keys():  # a key of this vLLM that DDTree does not wire through
+            raise NotImplementedError(
+                f"speculative_config[{key!r}] = {spec[key]!r}: vLLM's key for other speculative methods or features, "
+                "not supported with method 'ddtree'; remove the key."
+            )
     if unknown:
         raise ValueError(
             f"Unknown key(s) {unknown} in speculative_config for method 'ddtree'. Known keys: "

@@ -66,6 +66,14 @@ def test_unsupported_vllm_features_are_named(key, value):
         split_ddtree_config(spec(**{key: value}))
 
 
+@pytest.mark.parametrize("key,value", [("prompt_lookup_max", 4), ("suffix_decoding_max_tree_depth", 24)])
+def test_other_methods_vllm_keys_are_refused_by_name(key, value):
+    """Keys of the installed vLLM's SpeculativeConfig that DDTree does not wire through: refused as such (not as
+    unknown), whatever the vLLM version adds."""
+    with pytest.raises(NotImplementedError, match=rf"\['{key}'\] = {value}: vLLM's key .* remove the key"):
+        split_ddtree_config(spec(**{key: value}))
+
+
 def test_budget_per_batch_size_passes_to_vllm():
     schedule = [[1, 4, 15], [5, 64, 7], [65, 256, 0]]
     dflash, ddtree = split_ddtree_config(spec(num_speculative_tokens_per_batch_size=schedule))

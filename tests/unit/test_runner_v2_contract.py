@@ -197,6 +197,34 @@ def test_v2_penalties_state_is_what_the_tree_penalties_read():
         assert f"self.{name}" in init, name
 
 
+def test_verifier_calls_v2s_apply_sampling_params_with_the_installed_signature():
+    """`compat.v2_sampling().apply_sampling_params` calls the installed `Sampler.apply_sampling_params` (6 arguments
+    in 0.26, 8 in 0.32): the real method, up to its first statement, which reads `idx_mapping_np`."""
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+    from vllm_ddtree.compat import v2_sampling
+
+    seen = []
+
+    class NeedsNoProcessing:
+        def __getitem__(self, key):
+            seen.append(key)
+            return np.zeros(len(key), dtype=bool)
+
+    sampler = SimpleNamespace(needs_logits_processing=NeedsNoProcessing())
+    sampler.apply_sampling_params = Sampler.apply_sampling_params.__get__(sampler)
+    rows = 5  # two requests: 3 + 2 logits rows
+    batch = SimpleNamespace(
+        expanded_idx_mapping=torch.tensor([0, 0, 0, 1, 1]), idx_mapping=torch.tensor([0, 1]),
+        idx_mapping_np=np.array([0, 1]), expanded_local_pos=torch.tensor([0, 1, 2, 0, 1]),
+        seq_lens_cpu_upper_bound=torch.tensor([9, 7]),
+    )  # fmt: skip
+    logits = torch.randn(rows, 11)
+    out = v2_sampling().apply_sampling_params(sampler, logits, batch, torch.arange(rows), torch.zeros(rows))
+    assert out is logits  # no request needs processing: V2 returns the logits themselves
+    assert len(seen) == 1 and seen[0] is batch.idx_mapping_np
+
+
 def test_target_metadata_gets_this_steps_tree_at_runtime_and_a_chain_at_capture():
     from vllm_ddtree.attention.metadata import ATTRIBUTE, PersistentTreeBuffers, TreeAttentionMetadataBuilder
     from vllm_ddtree.runner_v2 import DDTreeV2State, _wrap_model_state_prepare_attn

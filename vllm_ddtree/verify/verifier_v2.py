@@ -39,10 +39,7 @@ class TreeVerifier:
         num_nans = v2.get_num_nans(logits) if sampler.compute_nans else None  # before any processing, as V2
         rows = input_batch.logits_indices
         pos = input_batch.positions[rows]  # [rows] tree positions: root + depth
-        processed = sampler.apply_sampling_params(
-            logits, input_batch.expanded_idx_mapping, input_batch.idx_mapping_np, pos, input_batch.input_ids[rows],
-            input_batch.expanded_local_pos,
-        )  # fmt: skip
+        processed = v2.apply_sampling_params(sampler, logits, input_batch, pos, input_batch.input_ids[rows])
         choices = v2.gumbel_sample(
             processed, input_batch.expanded_idx_mapping, sampler.sampling_states.temperature.gpu,
             sampler.sampling_states.seeds.gpu, pos, use_fp64=sampler.use_fp64_gumbel,
