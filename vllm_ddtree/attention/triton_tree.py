@@ -223,6 +223,13 @@ def _num_sms(device_index: int) -> int:
 MAX_SPLITS = 64
 
 
+def _unused_float32(device: torch.device) -> torch.Tensor:
+    """A float32 stand-in for a pointer argument a launch does not read (allocated per launch, as the split
+    buffers are, so a captured graph owns it). Triton compiles one kernel per argument dtype: a stand-in of the
+    output's dtype made the first step with context splits compile the kernel again while serving."""
+    return torch.empty(1, dtype=torch.float32, device=device)
+
+
 def plan_splits(
     num_programs: int, max_seq_len: int, block_n: int, num_sms: int, min_split: int = 256
 ) -> tuple[int, int]:
@@ -315,11 +322,11 @@ def _tree_attention(
         part_o = torch.empty((num_trees, num_q_heads, width, num_splits, head_dim), dtype=torch.float32,
                              device=query.device)
         part_lse = torch.empty((num_trees, num_q_heads, width, num_splits), dtype=torch.float32, device=query.device)
-    else:
-        part_o = part_lse = output  # unused
+    else:  # unused; float32 like the used ones, so every split count launches the same compiled kernel
+        part_o = part_lse = _unused_float32(query.device)
     mask = node_mask.view(torch.uint8) if node_mask.dtype == torch.bool else node_mask
     block_d = triton.next_power_of_2(head_dim)
-    context_out, context_lse = context if tree_only else (output, part_lse)  # the latter unused
+    context_out, context_lse = context if tree_only else (output, _unused_float32(query.device))  # both unused
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     _tree_attention_kernel[(num_trees * m_tiles, num_kv_heads, num_splits)](
         query, keys, values, block_table, query_start, seq_lens, num_nodes, mask.contiguous(), output, part_o,
