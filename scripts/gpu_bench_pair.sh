@@ -17,11 +17,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
 export PYTHONPATH="/tmp/pkgs:$PYTHONPATH"
+started=$SECONDS  # BENCH_S bounds the whole call: the conversion below (~20 s on a fresh machine) counts too
 [ -d /tmp/smollm2 ] || python scripts/convert_smollm2.py --out /tmp/smollm2 > "$OUT/convert.log" 2>&1
 drafter=${DRAFTER:-vllm_ddtree/drafters/smollm2-135m-instruct-dflash}
 pair=${PAIR_DIR:-/tmp/pair-bench}
 mkdir -p "$pair" "$OUT/pair" && cp "$pair"/* "$OUT/pair/" 2>/dev/null
-timeout "${BENCH_S:-540}" python scripts/benchmark.py --target /tmp/smollm2 --drafter "$drafter" \
+timeout "$(( ${BENCH_S:-540} - (SECONDS - started) ))" python scripts/benchmark.py --target /tmp/smollm2 --drafter "$drafter" \
   --budgets ${BUDGETS:-8 16 32 64 128} --batch-sizes ${BATCHES:-1 4 16 64} --temperatures 0 1 --max-tokens 256 --stop-at-eos \
   --min-prompts 16 --min-row-seconds "${ROW_S:-3}" --out "$OUT/pair" --resume ${SCHEDULES:+--schedules $SCHEDULES} ${METHODS:+--methods $METHODS} \
   ${EAGER:+--eager} ${ROUNDS:+--interleave $ROUNDS --gpu-memory-utilization 0.8} ${CPUS:+--cpus $CPUS} \
