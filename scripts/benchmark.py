@@ -457,8 +457,15 @@ def plot(rows: list[dict], out: Path) -> None:
         plt.close(fig)
 
 
+def prompts_per_row(batch: int, args) -> int:
+    """Prompts a row of `batch` requests in flight runs: `batch` x --prompts-per-batch, at least --min-prompts.
+    With as many prompts as requests in flight, every request starts at once and the batch drains as answers end;
+    with more, a finished answer's place goes to the next prompt, so the row runs at `batch` most of the time."""
+    return max(batch * args.prompts_per_batch, args.min_prompts)
+
+
 def load_prompts(args, tokenizer) -> list:
-    n = max(args.batch_sizes + [args.min_prompts])
+    n = max(prompts_per_row(b, args) for b in args.batch_sizes)
     if args.load_format == "dummy":  # random weights: random token ids will do
         import random
 
@@ -509,6 +516,9 @@ def main() -> None:
                              "ddtree-B32-v2)")
     parser.add_argument("--min-prompts", type=int, default=16,
                         help="prompts per measurement at least, `batch` of them in flight at a time")
+    parser.add_argument("--prompts-per-batch", type=int, default=1,
+                        help="a row runs batch x this many prompts (at least --min-prompts): above 1, the batch "
+                             "stays full while prompts are left instead of draining from the start")
     parser.add_argument("--min-row-seconds", type=float, default=0.0,
                         help="run a measurement's prompts again (the same answers) until this long has passed")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
@@ -635,7 +645,7 @@ def measure_row(llm, name: str, init_s: float, prompts: list, temperature: float
                 greedy_tokens: dict, round_index: int = 0) -> dict:  # fmt: skip
     """One row: `batch` requests in flight over at least --min-prompts prompts (`measure`); the T = 0 answers of
     the first round go into `greedy_tokens`."""
-    group = prompts[: max(batch, args.min_prompts)]
+    group = prompts[: prompts_per_row(batch, args)]
     probe_ms = host_probe_ms()
     result = measure(llm, group, batch, temperature, args.max_tokens, 1, not args.stop_at_eos, args.min_row_seconds)
     token_ids = result.pop("token_ids")

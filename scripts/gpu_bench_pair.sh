@@ -12,7 +12,8 @@
 # ROUNDS=N: every method's engine starts first, then each row runs for all methods in turn, N times (benchmark.py
 # --interleave; GPU memory split between the engines): ratios taken within a round (table.md) do not depend on how
 # fast the host ran while one engine lived (session 22: 2x between two engines of one call). CPUS="0-7" runs the
-# benchmark and its engines on those cores only (benchmark.py --cpus).
+# benchmark and its engines on those cores only (benchmark.py --cpus). PROMPTS_PER_BATCH=4: a row runs 4 x batch
+# prompts, so batches 16 and 64 stay full instead of draining from the start (default 1, as sessions <= 30 ran).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -24,7 +25,7 @@ pair=${PAIR_DIR:-/tmp/pair-bench}
 mkdir -p "$pair" "$OUT/pair" && cp "$pair"/* "$OUT/pair/" 2>/dev/null
 timeout "$(( ${BENCH_S:-540} - (SECONDS - started) ))" python scripts/benchmark.py --target /tmp/smollm2 --drafter "$drafter" \
   --budgets ${BUDGETS:-8 16 32 64 128} --batch-sizes ${BATCHES:-1 4 16 64} --temperatures 0 1 --max-tokens 256 --stop-at-eos \
-  --min-prompts 16 --min-row-seconds "${ROW_S:-3}" --out "$OUT/pair" --resume ${SCHEDULES:+--schedules $SCHEDULES} ${METHODS:+--methods $METHODS} \
+  --min-prompts 16 --prompts-per-batch "${PROMPTS_PER_BATCH:-1}" --min-row-seconds "${ROW_S:-3}" --out "$OUT/pair" --resume ${SCHEDULES:+--schedules $SCHEDULES} ${METHODS:+--methods $METHODS} \
   ${EAGER:+--eager} ${ROUNDS:+--interleave $ROUNDS --gpu-memory-utilization 0.8} ${CPUS:+--cpus $CPUS} \
   > "$OUT/bench_pair.log" 2>&1
 echo "bench rc=$?"

@@ -258,3 +258,13 @@ def test_rounds_of_different_runs_neither_combine_nor_compare():
                      "| ddtree-B32 | 0.0 | 1 | 1.50x (1.50-1.50, 1 rounds) | - |"]  # against run b's chain only
     chains = [r for r in bench.combine_rounds(rows) if r["method"] == "dflash"]
     assert [(r["run"], r["rounds"], r["output_tokens_per_s"]) for r in chains] == [("a", 2, 100.0), ("b", 1, 200.0)]
+
+
+def test_a_row_runs_batch_times_prompts_per_batch_prompts_at_least_min_prompts():
+    from types import SimpleNamespace
+
+    benchmark = load_benchmark()
+    args = SimpleNamespace(prompts_per_batch=4, min_prompts=16)
+    assert [benchmark.prompts_per_row(b, args) for b in (1, 4, 16, 64)] == [16, 16, 64, 256]
+    args = SimpleNamespace(prompts_per_batch=1, min_prompts=16)  # the default: as many prompts as the batch
+    assert [benchmark.prompts_per_row(b, args) for b in (1, 4, 16, 64)] == [16, 16, 16, 64]
