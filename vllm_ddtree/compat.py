@@ -244,6 +244,19 @@ def method_without_runner(method: str) -> str:
     return method.removesuffix("-v1").removesuffix("-v2")
 
 
+def min_tokens_requests(sampling_metadata) -> dict:
+    """V1: {request index: (min_tokens, output token ids, stop token ids, uses structured output)} of the requests
+    still below their `min_tokens`: the state of vLLM's `MinTokensLogitsProcessor` (0.26 and 0.32), which its
+    rejection sampler reads the same way (`apply_with_spec_decode`)."""
+    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+
+    processors = getattr(getattr(sampling_metadata, "logitsprocs", None), "non_argmax_invariant", ())
+    for processor in processors:
+        if isinstance(processor, MinTokensLogitsProcessor):
+            return processor.min_toks
+    return {}
+
+
 @functools.cache
 def speculative_config_keys() -> frozenset[str]:
     """The keys this vLLM's `SpeculativeConfig` takes (0.33 adds e.g. `xpress_topc`, `fly_window_size`)."""

@@ -14,8 +14,6 @@ def unsupported_reason(params) -> tuple[str, str] | None:
         return "structured_outputs", f"structured output is not supported with DDTree yet; {_HOW}"
     if getattr(params, "bad_words", None):
         return "bad_words", f"bad_words is not supported with DDTree yet; {_HOW}"
-    if getattr(params, "min_tokens", 0):
-        return "min_tokens", f"min_tokens={params.min_tokens} is not supported with DDTree yet; use min_tokens=0"
     if getattr(params, "logprob_token_ids", None) is not None:
         return "logprob_token_ids", f"logprob_token_ids is not supported with DDTree yet; use logprobs; {_HOW}"
     if getattr(params, "thinking_token_budget", None) is not None:

@@ -85,6 +85,21 @@ def test_eos_inside_accepted_path(prompts, baseline):
     assert tree.finish_reasons == baseline.finish_reasons
 
 
+def test_min_tokens_masks_eos_by_node_depth(prompts, baseline):
+    """min_tokens keeps EOS out of every node whose depth leaves the answer short of it; past that, EOS ends the
+    answer as usual. Per-request limits around each answer's own EOS, so the limit falls inside accepted paths and
+    some requests are not limited at all; vLLM without speculation is the oracle."""
+    lengths = [len(t) for t in baseline.token_ids]  # each answer ends with EOS
+    limits = [min(max(n + shift, 0), 96) for n, shift in zip(lengths, [-3, 0, 1, 5, 9, 17] * 2)]
+    params = [greedy(96, min_tokens=m) for m in limits]
+    plain = run(TARGET, None, prompts, params, **ENGINE)
+    tree = run(TARGET, ddtree(BLOCK_SIZE + 1), prompts, params, **ENGINE)
+    assert tree.token_ids == plain.token_ids
+    assert tree.finish_reasons == plain.finish_reasons
+    assert all(len(t) >= m for t, m in zip(tree.token_ids, limits))
+    assert sum(t != b for t, b in zip(plain.token_ids, baseline.token_ids)) >= 6  # the limit changed those answers
+
+
 def test_generation_up_to_max_model_len(prompts):
     max_model_len = max(len(p) for p in prompts) + 40
     engine = dict(ENGINE, max_model_len=max_model_len)

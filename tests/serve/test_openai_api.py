@@ -224,7 +224,6 @@ def test_one_token_prompt_joining_a_decode_batch(ddtree_server, plain_server, ma
 
 BAD_REQUESTS = {
     # name: (request, words the error message must contain, a server without speculation accepts it)
-    "min_tokens": (lambda c: complete(c, "spell dog:", extra_body={"min_tokens": 3}), ["min_tokens", "DDTree"], True),
     "bad_words": (lambda c: complete(c, "spell dog:", extra_body={"bad_words": ["dog"]}), ["bad_words"], True),
     "json_schema": (
         lambda c: chat(

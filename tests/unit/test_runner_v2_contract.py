@@ -225,6 +225,17 @@ def test_verifier_calls_v2s_apply_sampling_params_with_the_installed_signature()
     assert len(seen) == 1 and seen[0] is batch.idx_mapping_np
 
 
+def test_v2_masks_min_tokens_stop_tokens_by_position():
+    """min_tokens on V2 needs nothing of DDTree's own: V2 masks a row's stop tokens while its position + 1 is below
+    prompt length + min_tokens, and the tree verifier passes each node's tree position (root + depth), the position
+    plain decoding gives that token. (V1: `verify/sampling.mask_stop_tokens_below_min_tokens`.)"""
+    from vllm.v1.worker.gpu.sample import logit_bias
+
+    source = inspect.getsource(logit_bias)
+    assert "min_len = prompt_len + min_tokens" in source
+    assert "pos + 1 < min_len" in source
+
+
 def test_target_metadata_gets_this_steps_tree_at_runtime_and_a_chain_at_capture():
     from vllm_ddtree.attention.metadata import ATTRIBUTE, PersistentTreeBuffers, TreeAttentionMetadataBuilder
     from vllm_ddtree.runner_v2 import DDTreeV2State, _wrap_model_state_prepare_attn

@@ -38,10 +38,44 @@ def path_token_counts(step: TreeStep, node_tokens: torch.Tensor, vocab_size: int
     tokens = node_tokens[:, None, :].expand(num_reqs, width, width)
     counts = torch.zeros((num_reqs, width, vocab_size), dtype=torch.float32, device=node_tokens.device)
     counts.scatter_add_(2, tokens, on_path.float())
-    # Padded rows alias the last valid node; keep the valid ones in logits-row order (indices from the host's node
-    # counts: a boolean mask would wait for the device).
+    return counts.view(num_reqs * width, vocab_size).index_select(0, valid_node_rows(step, counts.device))
+
+
+def valid_node_rows(step: TreeStep, device) -> torch.Tensor:
+    """[rows] index of each logits row's node in the step's flattened [R * N] node grid. Padded entries alias the
+    last valid node; the valid ones come in logits-row order (from the host's node counts: a boolean mask would
+    wait for the device)."""
+    width = step.parents.shape[1]
     valid = np.concatenate([row * width + np.arange(n) for row, n in enumerate(step.num_nodes_cpu.tolist())])
-    return counts.view(num_reqs * width, vocab_size).index_select(0, to_device(valid, counts.device))
+    return to_device(valid, device)
+
+
+def mask_stop_tokens_below_min_tokens(
+    logits: torch.Tensor,  # [rows, V]
+    node_req: torch.Tensor,  # [rows]
+    step: TreeStep,
+    below_min: dict,  # `compat.min_tokens_requests`: {request: (min_tokens, output ids, stop ids, _)}
+) -> torch.Tensor:
+    """[rows, V] `logits` (not modified) with min_tokens applied: a node at depth d follows len(output) + d
+    generated tokens, so its stop tokens are masked while that is below the request's min_tokens (vLLM's rule at
+    the chain's draft positions, along each node's path). On Model Runner V2, V2's own sampler does it from the
+    nodes' tree positions."""
+    num_reqs, vocab_size = step.parents.shape[0], logits.shape[1]
+    remaining = np.zeros(num_reqs, dtype=np.int64)  # [R] depths below which the stop tokens stay masked
+    reqs, stop_ids = [], []
+    for req, (min_tokens, output_ids, stops, _) in below_min.items():
+        if req < num_reqs and stops:
+            remaining[req] = max(min_tokens - len(output_ids), 0)
+            reqs += [req] * len(stops)
+            stop_ids += list(stops)
+    if not reqs:
+        return logits
+    device = logits.device
+    stop_mask = torch.zeros((num_reqs, vocab_size), dtype=torch.bool, device=device)  # [R, V]
+    stop_mask[to_device(np.asarray(reqs), device), to_device(np.asarray(stop_ids), device)] = True
+    depth = step.depths.view(-1).index_select(0, valid_node_rows(step, device))  # [rows]
+    masked_rows = depth < to_device(remaining, device)[node_req]  # [rows]
+    return logits.masked_fill(masked_rows[:, None] & stop_mask[node_req], float("-inf"))
 
 
 def output_token_counts(output_token_ids: list[list[int]], vocab_size: int, device) -> torch.Tensor:
@@ -132,10 +166,11 @@ def choose_nodes(
     The processing follows vLLM's `Sampler`: allowed-token mask, penalties (greedy rows take the argmax here),
     then temperature, top-k/top-p and the exponential race for sampled rows. `logits` is not modified.
     """
-    from vllm_ddtree.compat import apply_top_k_top_p
+    from vllm_ddtree.compat import apply_top_k_top_p, min_tokens_requests
 
+    below_min = min_tokens_requests(sampling_metadata)
     unprocessed = sampling_metadata.no_penalties and sampling_metadata.allowed_token_ids_mask is None
-    if sampling_metadata.all_greedy and unprocessed:
+    if sampling_metadata.all_greedy and unprocessed and not below_min:
         return NodeChoices(logits.argmax(dim=-1), logits)
     node_req = node_requests(step)
     logits = logits.to(torch.float32)
@@ -143,6 +178,8 @@ def choose_nodes(
         logits = logits.masked_fill(sampling_metadata.allowed_token_ids_mask[node_req], float("-inf"))
     if not sampling_metadata.no_penalties:
         logits = apply_penalties_(logits, node_req, step, node_tokens, sampling_metadata)
+    if below_min:
+        logits = mask_stop_tokens_below_min_tokens(logits, node_req, step, below_min)
     greedy = logits.argmax(dim=-1)
     if sampling_metadata.all_greedy:
         return NodeChoices(greedy, logits)
