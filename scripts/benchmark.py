@@ -439,14 +439,19 @@ def plot(rows: list[dict], out: Path) -> None:
             plot.warned = True
             print("matplotlib is not installed: no plots")
         return
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    colors = {m: f"C{i % 10}" for i, m in enumerate(methods)}  # one color per method in both panels
     for temperature in sorted({r["temperature"] for r in rows}):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for method in dict.fromkeys(r["method"] for r in rows):
+        for method in methods:
             sel = [r for r in rows if r["method"] == method and r["temperature"] == temperature]
+            if not sel:  # e.g. a run cut before this temperature's rows of the method
+                continue
             batches = [r["batch"] for r in sel]
-            axes[0].plot(batches, [r["output_tokens_per_s"] for r in sel], marker="o", label=method)
+            style = dict(marker="o", label=method, color=colors[method])
+            axes[0].plot(batches, [r["output_tokens_per_s"] for r in sel], **style)
             if sel[0]["acceptance_length"] is not None:
-                axes[1].plot(batches, [r["acceptance_length"] for r in sel], marker="o", label=method)
+                axes[1].plot(batches, [r["acceptance_length"] for r in sel], **style)
         axes[0].set(xscale="log", xlabel="batch size", ylabel="output tokens/s", title=f"throughput, T={temperature}")
         axes[1].set(xscale="log", xlabel="batch size", ylabel="acceptance length", title="acceptance length")
         for ax in axes:
