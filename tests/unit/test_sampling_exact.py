@@ -366,3 +366,36 @@ def test_greedy_respects_allowed_token_ids():
     metadata.allowed_token_ids_mask = mask
     choices = node_choices(logits, step, metadata, torch.tensor([[1, 1], [1, 1]]))
     assert choices.tolist() == [3, 2]
+
+
+def test_min_tokens_masks_stop_tokens_of_nodes_by_depth():
+    """Against brute force: a node's stop tokens are -inf iff len(output) + its depth (walked up its parents) is below
+    min_tokens; every other logit is kept, and requests that reached min_tokens (absent from the state) are untouched."""
+    from tests.gpu.cases import random_parents
+
+    gen = torch.Generator().manual_seed(5)
+    width, vocab = 9, 11
+    num_nodes = [9, 6, 4]  # valid nodes per request, root included
+    parents = torch.stack([random_parents(n, width, gen) for n in num_nodes])  # [R, N]
+    depths = torch.zeros_like(parents)
+    for r in range(len(num_nodes)):
+        for i in range(1, width):
+            depths[r, i] = depths[r, parents[r, i]] + 1
+    step = build_tree_step([n - 1 for n in num_nodes], torch.arange(sum(num_nodes)), parents, depths, [0, 1, 2],
+                           width)  # fmt: skip
+    below_min = {0: (6, [4, 4, 4], {2, 7}, False), 2: (3, [1, 1], {0}, False)}  # request 1 reached its min_tokens
+    logits = torch.randn(sum(num_nodes), vocab)
+    masked = sampling.mask_stop_tokens_below_min_tokens(logits, sampling.node_requests(step), step, below_min)
+
+    expected, row = logits.clone(), 0
+    for r, n in enumerate(num_nodes):
+        for node in range(n):
+            depth, up = 0, node
+            while up != 0:
+                up, depth = int(parents[r, up]), depth + 1
+            if r in below_min and len(below_min[r][1]) + depth < below_min[r][0]:
+                expected[row, sorted(below_min[r][2])] = float("-inf")
+            row += 1
+    assert torch.equal(masked, expected)
+    assert torch.isinf(masked).sum() == torch.isinf(expected).sum() > 0
+    assert not torch.isinf(logits).any()  # the input is left alone
