@@ -125,6 +125,18 @@ def test_max_tokens(client, plain_client):
         assert ddtree[1] == max_tokens and ddtree[0][0][1] == "length"
 
 
+def test_min_tokens(client, plain_client):
+    """min_tokens around the natural answer's length: the same text, finish reason and token count as without
+    speculation, and EOS never before min_tokens."""
+    natural = summary(complete(plain_client, LONG_PROMPT))[1]
+    limits = {min(m, GREEDY["max_tokens"]) for m in (1, natural - 2, natural, natural + 1, natural + 7, 40)}
+    for min_tokens in sorted(limits):
+        body = {"extra_body": {"min_tokens": min_tokens}}
+        ddtree = summary(complete(client, LONG_PROMPT, **body))
+        assert ddtree == summary(complete(plain_client, LONG_PROMPT, **body)), min_tokens
+        assert ddtree[1] >= min(min_tokens, GREEDY["max_tokens"]), min_tokens
+
+
 async def _answer(client, index: int, prompt: str) -> tuple:
     """Request `index` of a mixed batch: completions or chat, streamed or not, various max_tokens."""
     kwargs = {**GREEDY, "max_tokens": 16 + 3 * index}
