@@ -194,6 +194,7 @@ def v2_sampling():
     from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
     from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
     from vllm.v1.worker.gpu.sample.output import SamplerOutput as V2SamplerOutput
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
     from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 
     extra = {"is_drafting": False} if "is_drafting" in inspect.signature(gumbel_sample).parameters else {}  # 0.32
@@ -204,11 +205,13 @@ def v2_sampling():
             logits, expanded_idx_mapping, temperature, seeds, pos, apply_temperature=False, use_fp64=use_fp64, **extra
         )
 
+    takes_seq_lens = "seq_lens_upper_bound_np" in inspect.signature(Sampler.apply_sampling_params).parameters  # 0.32
+
     def apply_sampling_params(sampler, logits, input_batch, pos, input_ids):
         """[rows, V] V2's processed logits of the target's rows (penalties, temperature, min-p, top-k/top-p);
         `pos` and `input_ids` [rows] are the rows' positions and tokens."""
         b = input_batch
-        if "seq_lens_upper_bound_np" in inspect.signature(sampler.apply_sampling_params).parameters:  # 0.32
+        if takes_seq_lens:
             return sampler.apply_sampling_params(
                 logits, b.expanded_idx_mapping, b.idx_mapping, b.idx_mapping_np, pos, input_ids,
                 b.expanded_local_pos, b.seq_lens_cpu_upper_bound.numpy(),
