@@ -187,16 +187,14 @@ def test_compaction_matches_reference(dtype, num_reqs, moves):
 @pytest.mark.parametrize("num_req,depth,vocab,budget", [(1, 15, 151936, 15), (8, 15, 49152, 64), (64, 7, 1000, 128),
                                                         (3, 3, 5, 17)])
 def test_triton_tree_builder_matches_torch_builder(num_req, depth, vocab, budget, monkeypatch):
-    from vllm_ddtree.tree.build import top_tokens, topk_per_depth, tree_from_top_tokens
+    from vllm_ddtree.tree import build_draft_tree
 
     gen = torch.Generator(device="cuda").manual_seed(budget)
     logits = (torch.randn(num_req, depth, vocab, device="cuda", generator=gen) * 4).round()  # ties included
     roots = torch.randint(0, vocab, (num_req,), device="cuda", generator=gen)
-    # One top-K for both builders (the torch top-K orders ties its own way: tests/gpu/test_top_tokens.py).
-    tokens, log_probs = top_tokens(logits, topk_per_depth(vocab, None, budget))
-    got = tree_from_top_tokens(tokens, log_probs, roots, budget)  # Triton on CUDA
+    got = build_draft_tree(logits, roots, budget)  # Triton on CUDA
     monkeypatch.setenv("VLLM_DDTREE_TREE_KERNELS", "torch")
-    expected = tree_from_top_tokens(tokens, log_probs, roots, budget)
+    expected = build_draft_tree(logits, roots, budget)
     for name in ("token_ids", "parents", "depths", "log_probs"):
         assert torch.equal(getattr(got, name), getattr(expected, name)), name
 

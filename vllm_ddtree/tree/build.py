@@ -36,12 +36,12 @@ K tokens of that ranking, as with a stable sort; K = 1 gives torch.argmax's toke
 their children, so every prefix of the node list is a valid subtree (vLLM may truncate the draft to its first
 n tokens).
 
-Devices: on CUDA two Triton launches (tree/triton_top_tokens.py) pick the K tokens of every depth by the same
-rule, from one read of the logits, and compute their log-probabilities from a log-sum-exp over vocabulary chunks.
-Those may differ from the CPU's log-softmax by ~1 ulp, which can reorder nodes whose scores are within that
-distance. With VLLM_DDTREE_TREE_KERNELS=torch, CUDA runs one torch.topk instead, which among tokens tied at the
-K-th place keeps some and orders equal logits its own (deterministic) way, not by token id; a tree is lossless
-whichever tied token it holds.
+Devices: on CUDA one torch.topk picks the K tokens of a depth and ranks them by logit; among tokens tied at the
+K-th place it keeps some, and it orders equal logits its own (deterministic) way, not by token id. The exact rule
+above costs a second top-k over the vocabulary and two sorts (~0.5 ms of host time per step, and several passes
+over [R, D, V] on the GPU), and a tree is lossless whichever tied token it holds, so it is kept for the CPU path
+(the reference the oracles check). The log-softmax may also differ by ~1 ulp between devices, which can shift
+`log_probs` by that much and reorder nodes whose scores are within that distance.
 """
 
 import functools
@@ -109,15 +109,10 @@ def _stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def top_tokens(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-depth top-k tokens ranked by logit descending and their float32 log-probabilities, non-increasing
-    along the last dim. Equal logits: lower id first (with VLLM_DDTREE_TREE_KERNELS=torch on CUDA, torch.topk's
-    choice; module docstring).
+    along the last dim. Equal logits: lower id first on the CPU, torch.topk's choice on CUDA (module docstring).
 
-    Off CUDA the log-probabilities come from one fused float32 log-softmax (one pass over [R, D, V]); it is
-    monotone in the logit, so ranking either gives the same order."""
-    if use_triton(draft_logits):
-        from vllm_ddtree.tree.triton_top_tokens import top_tokens_triton
-
-        return top_tokens_triton(draft_logits, k)  # [R, D, K] int64, [R, D, K] float32
+    The log-probabilities come from one fused float32 log-softmax (one pass over [R, D, V], no float copy of the
+    logits and no separate logsumexp); it is monotone in the logit, so ranking either gives the same order."""
     log_probs = torch.log_softmax(draft_logits, dim=-1, dtype=torch.float32)  # [R, D, V]
     if draft_logits.is_cuda:
         token_ids = torch.topk(draft_logits, k, dim=-1, sorted=True).indices  # [R, D, K] (16-bit reads)
