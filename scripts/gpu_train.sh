@@ -8,8 +8,12 @@
 # starts from the shipped drafter's weights (more steps for the same device time; a new lr schedule); NUM_LAYERS above
 # its layer count adds layers that start as the identity (DFlashDrafter.add_layers; the shipped drafter has 4 since
 # session 20, set NUM_LAYERS=4 to continue it as it is). RESPONSES=1 keeps the greedy answers only
-# (half the ~4.4 min of generation; session 17). Training stops 120 s before TRAIN_S (--time-limit-s) and saves the
-# drafter, a held-out point and the report as at its last step, so a call cut short still brings a drafter back.
+# (half the ~4.4 min of generation; session 17). TRAIN_S bounds the whole script (the conversion included): training
+# stops ~120 s before it (--time-limit-s) and saves the drafter, a held-out point and the report as at its last step,
+# so a call cut short still brings a drafter back. Generation past that limit stops between chunks of 4,096 answers
+# and the script ends with train rc=3: the answers so far stay in /tmp/smollm2-dflash, and the same command on the
+# same warm machine goes on from them (session 31: LATER_TURNS=1 EXTRA_ROUNDS=1 without carried answers needed more
+# than one 600 s call for generation alone, and the call limit cut the first attempt with nothing saved).
 # SAVE_RESPONSES=1 brings the generated answers back; carried later as .gpu/answers they skip the generation.
 # EXTRA_ROUNDS=N generates N more answers per prompt at T 0.7 after the carried ones (~2 min per round of 13.5k).
 # LATER_TURNS=1 adds every later user turn of the training conversations as a prompt, answered once greedily after
@@ -21,6 +25,7 @@
 # NO_FEATURE_STORE=1 runs the target at every step instead. SOFT_LABELS=K adds the target's top-K next tokens as soft
 # labels (half the loss; not yet run on a GPU). Session 20: ~21 steps/s with the store (4 layers).
 set -uo pipefail
+started=$SECONDS  # TRAIN_S bounds the whole script: conversion, generation, training and packing
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
 export PYTHONPATH="/tmp/pkgs:$PYTHONPATH"
@@ -32,11 +37,13 @@ if [ -f .gpu/answers/responses.jsonl.xz ] && [ ! -f /tmp/smollm2-dflash/response
   xz -dc .gpu/answers/responses.jsonl.xz > /tmp/smollm2-dflash/responses.jsonl && echo "answers: $(wc -l < /tmp/smollm2-dflash/responses.jsonl) from .gpu/answers"
 fi
 resume=""; [ -d /tmp/smollm2-dflash/checkpoints ] && resume="--resume"
-timeout "${TRAIN_S:-540}" python scripts/train_drafter.py --target /tmp/smollm2 --out /tmp/smollm2-dflash \
+left=$(( ${TRAIN_S:-540} - (SECONDS - started) - 15 ))  # 15 s to pack the drafter
+[ "$left" -ge 180 ] || { echo "TRAIN_S=${TRAIN_S:-540} leaves ${left} s after the conversion; give it >= 180 s more"; exit 1; }
+timeout "$left" python scripts/train_drafter.py --target /tmp/smollm2 --out /tmp/smollm2-dflash \
   --block-size 16 --num-layers "${NUM_LAYERS:-2}" --num-prompts "${PROMPTS:-16000}" --generator "${GENERATOR:-vllm}" \
   --responses-per-prompt "${RESPONSES:-2}" --extra-answer-rounds "${EXTRA_ROUNDS:-0}" ${LATER_TURNS:+--later-turns} --greedy-first --temperature 0.7 \
   --gen-batch-size 256 --steps "${STEPS:-4000}" --lr "${LR:-1e-3}" --weight-decay 0.01 --eval-every 250 \
-  --batch-size 32 --loss-decay 7 --save-every 250 --time-limit-s "$(( ${TRAIN_S:-540} - 120 ))" $resume ${NO_FEATURE_STORE:+--no-feature-store} ${SOFT_LABELS:+--soft-labels $SOFT_LABELS} ${INIT_FROM:+--init-from "$INIT_FROM"} 2>&1 | tr '\r' '\n' | grep -v "^\s*$" | awk 'NR % 20 == 1 || /Error|error|warning|report|acceptance|heldout|generated|time limit|feature store|{/' \
+  --batch-size 32 --loss-decay 7 --save-every 250 --time-limit-s "$(( left - 105 ))" $resume ${NO_FEATURE_STORE:+--no-feature-store} ${SOFT_LABELS:+--soft-labels $SOFT_LABELS} ${INIT_FROM:+--init-from "$INIT_FROM"} 2>&1 | tr '\r' '\n' | grep --line-buffered -v "^\s*$" | awk 'NR % 20 == 1 || /Error|error|warning|report|acceptance|heldout|generated|time limit|stopped|feature store|{/ {print; fflush()}' \
   > "$OUT/train.log"
 echo "train rc=${PIPESTATUS[0]}"; tail -5 "$OUT/train.log"
 if [ -f /tmp/smollm2-dflash/report.json ]; then

@@ -87,7 +87,13 @@ def parse_args(argv=None) -> TrainConfig:
 
 
 def main(argv=None) -> None:
-    print(train(parse_args(argv)))
+    from vllm_ddtree.drafter.train import AnswersIncomplete
+
+    try:
+        print(train(parse_args(argv)))
+    except AnswersIncomplete as stopped:
+        print(f"stopped: {stopped}", flush=True)
+        raise SystemExit(3) from None
 
 
 if __name__ == "__main__":

@@ -574,3 +574,20 @@ def test_later_turn_answers_come_last_and_a_foreign_bank_is_refused(tmp_path, on
     assert [line["prompt"] for line in grown] == prompts + later
     with pytest.raises(ValueError, match="answer 1 of 4 belongs to another prompt"):
         train(TrainConfig(**run, later_turns=True), prompt_ids=[prompts[0], later[0]], later_prompt_ids=later)
+
+
+def test_generation_past_the_time_limit_stops_with_the_answers_kept_and_the_rerun_named(tmp_path):
+    """A time limit reached before the target has answered every training prompt ends the run with
+    `AnswersIncomplete` (no training on part of the plan), the answers so far unchanged in OUT/responses.jsonl and
+    the message naming the counts and the rerun. The limit is already past here, so no engine starts."""
+    import time
+
+    from vllm_ddtree.drafter.train import AnswersIncomplete, TrainConfig, _load_or_generate
+
+    cfg = TrainConfig(target=str(tmp_path / "no-target"), out=str(tmp_path), generator="vllm", time_limit_s=5.0)
+    prompts = [[5 + i, 40 + i, 90 + i] for i in range(3)]
+    banked = json.dumps({"prompt": prompts[0], "response": [7, 8, 9]}) + "\n"
+    (tmp_path / "responses.jsonl").write_text(banked)
+    with pytest.raises(AnswersIncomplete, match=r"time limit \(5 s\).*1 of 3 answers.*again"):
+        _load_or_generate(cfg, None, None, None, prompts, [], 0, {2}, deadline=time.monotonic() - 1)
+    assert (tmp_path / "responses.jsonl").read_text() == banked

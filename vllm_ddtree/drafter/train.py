@@ -235,15 +235,20 @@ def generate_responses(
 
 def generate_responses_vllm(
     target: str, prompts: list[list[int]], max_new_tokens: int, temperatures: list[float], seed: int,
-    eos_ids, chunk_size: int = 4096,
+    eos_ids, chunk_size: int = 4096, deadline: float | None = None,
 ):
     """Same as ``generate_responses`` with vLLM (much faster on a GPU), one temperature per prompt; yields the
-    responses chunk by chunk (so a run cut short keeps the chunks already written) and frees the engine at the end."""
+    responses chunk by chunk (so a run cut short keeps the chunks already written) and frees the engine at the end.
+    Past ``deadline`` (a `time.monotonic()` value) no further chunk is started."""
     import gc
 
     from vllm import LLM, SamplingParams
 
     from vllm_ddtree.compat import shutdown_llm
+
+    if deadline is not None and time.monotonic() > deadline:  # not even the engine start fits
+        print(f"time limit: no answer generated of {len(prompts)}", flush=True)
+        return
 
     max_model_len = max(len(p) for p in prompts) + max_new_tokens
     # Eager everywhere: on CPU compiled mode produced wrong SmolLM2 chat output (docs/drafter.md); on the H200 the
@@ -260,6 +265,9 @@ def generate_responses_vllm(
         for i, t in enumerate(temperatures)
     ]
     for start in range(0, len(prompts), chunk_size):
+        if deadline is not None and time.monotonic() > deadline:
+            print(f"time limit: generation stopped at {start}/{len(prompts)} answers", flush=True)
+            break
         began = time.perf_counter()
         chunk = slice(start, start + chunk_size)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts[chunk]], params[chunk], use_tqdm=False)
@@ -429,9 +437,10 @@ def answer_plan(cfg: TrainConfig, prompt_ids: list[list[int]], later_prompt_ids:
     return [p for p in prompt_ids for _ in range(K)] + prompt_ids * rounds + later_prompt_ids, temperatures
 
 
-def _load_or_generate(cfg: TrainConfig, target, tokenizer, prompts, prompt_ids, later_prompt_ids, pad_id, eos_ids
-                      ) -> list[Sequence]:  # fmt: skip
-    """OUT/responses.jsonl caches the target's responses; generation resumes where the file stops."""
+def _load_or_generate(cfg: TrainConfig, target, tokenizer, prompts, prompt_ids, later_prompt_ids, pad_id, eos_ids,
+                      deadline: float | None = None) -> list[Sequence]:  # fmt: skip
+    """OUT/responses.jsonl caches the target's responses; generation resumes where the file stops. With the vLLM
+    generator, a `deadline` (time.monotonic()) reached before every answer is there raises `AnswersIncomplete`."""
     path = Path(cfg.out) / "responses.jsonl"
     seqs = []
     if path.exists():
@@ -450,7 +459,7 @@ def _load_or_generate(cfg: TrainConfig, target, tokenizer, prompts, prompt_ids, 
     if todo:
         if cfg.generator == "vllm":
             chunks = generate_responses_vllm(cfg.target, todo, cfg.max_new_tokens, temperatures[done:], cfg.seed + done,
-                                             eos_ids)
+                                             eos_ids, deadline=deadline)
         else:
             if len(set(temperatures[done:])) > 1:
                 raise ValueError("greedy_first with the 'hf' generator is not supported; use generator='vllm'")
@@ -462,7 +471,17 @@ def _load_or_generate(cfg: TrainConfig, target, tokenizer, prompts, prompt_ids, 
                     seq = Sequence(prompt, response)
                     seqs.append(seq)
                     f.write(json.dumps(asdict(seq)) + "\n")
+    if len(seqs) < len(prompt_ids):
+        raise AnswersIncomplete(
+            f"time limit ({cfg.time_limit_s:.0f} s) reached while the target answered the training prompts: "
+            f"{len(seqs)} of {len(prompt_ids)} answers are in {path}; run the same command again (with --resume) "
+            "to generate the rest and train, or lower --time-limit-s's share of generation with fewer prompts"
+        )
     return [s for s in seqs if len(s.response) >= 2]
+
+
+class AnswersIncomplete(RuntimeError):
+    """The time limit came before the target had answered every training prompt (the answers so far are kept)."""
 
 
 def answer_temperature(cfg: TrainConfig, answer: int) -> float:
@@ -544,7 +563,8 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
     if cfg.later_turns:
         later = later_prompt_ids if later_prompt_ids is not None else encode_prompts(
             tokenizer, data.later_turn_prompts(cfg.sources, seed=cfg.seed), cfg.chat_template, cfg.max_prompt_len)
-    seqs = _load_or_generate(cfg, target, tokenizer, prompts, prompt_ids, later, pad_id, eos_ids)
+    deadline = None if cfg.time_limit_s is None else began + cfg.time_limit_s
+    seqs = _load_or_generate(cfg, target, tokenizer, prompts, prompt_ids, later, pad_id, eos_ids, deadline)
     if not seqs:
         raise ValueError("the target produced no response of 2 or more tokens; check the prompts and EOS ids")
     eval_seqs = _eval_sequences(cfg, target, tokenizer, eval_prompt_ids, pad_id, eos_ids)
