@@ -3,9 +3,10 @@
 # way), so pack everything under $OUT into one $OUT/out.tar.gz. End a call's command with `; bash scripts/gpu_pack_out.sh`,
 # then here: `tar -xzf <files_at>/out.tar.gz -C docs/results/session-N/<call>/`.
 set -euo pipefail
-: "${OUT:?OUT is the device call's output folder}"
+: "${OUT:?set OUT to the device call output folder}"
 packed=$(mktemp /tmp/out.XXXXXX.tar.gz)
 tar -C "$OUT" -czf "$packed" .
 find "$OUT" -mindepth 1 -delete
 mv "$packed" "$OUT/out.tar.gz"
-echo "packed $(tar -tzf "$OUT/out.tar.gz" | grep -vc '/$') files into \$OUT/out.tar.gz ($(du -h "$OUT/out.tar.gz" | cut -f1))"
+count=$(tar -tzf "$OUT/out.tar.gz" | grep -vc "/\$" || true)
+echo "packed $count files into OUT/out.tar.gz ($(du -h "$OUT/out.tar.gz" | cut -f1))"
