@@ -473,7 +473,7 @@ def _load_or_generate(cfg: TrainConfig, target, tokenizer, prompts, prompt_ids, 
                     f.write(json.dumps(asdict(seq)) + "\n")
     if len(seqs) < len(prompt_ids):
         raise AnswersIncomplete(
-            f"time limit ({cfg.time_limit_s:.0f} s) reached while the target answered the training prompts: "
+            f"time limit ({cfg.time_limit_s or 0:.0f} s) reached while the target answered the training prompts: "
             f"{len(seqs)} of {len(prompt_ids)} answers are in {path}; run the same command again (with --resume) "
             "to generate the rest and train, or lower --time-limit-s's share of generation with fewer prompts"
         )
