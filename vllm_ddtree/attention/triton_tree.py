@@ -283,18 +283,20 @@ def tree_attention_split_(
     context_out: torch.Tensor,  # [num_tokens, Hq, D] every node's attention over its request's context alone
     context_lse: torch.Tensor,  # [Hq, num_tokens] float32, natural-log LSE of that (FlashAttention's layout)
     output: torch.Tensor,  # [num_tokens, Hq, D]; rows of tree nodes are overwritten
+    block_sizes: tuple[int, int] | None = None,  # (BLOCK_M, BLOCK_N) for an A/B (scripts/bench_attention.py)
 ) -> None:
     """Split tree attention: the context part comes from FlashAttention (non-causal over the context, with LSE);
     this adds the tree part (each node over its ancestors' keys, a few keys per node) and merges the two by
     log-sum-exp in the same kernel. One launch; sync-free."""
     assert context_out.stride(2) == 1 and context_lse.stride(1) == 1
     _tree_attention(query, keys, values, block_table, query_start, seq_lens, num_nodes, node_mask, max_seq_len,
-                    scale, output, context=(context_out, context_lse))
+                    scale, output, context=(context_out, context_lse), block_sizes=block_sizes)
 
 
 def _tree_attention(
     query, keys, values, block_table, query_start, seq_lens, num_nodes, node_mask, max_seq_len: int, scale: float,
     output, num_splits: int | None = None, context: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block_sizes: tuple[int, int] | None = None,
 ) -> None:
     """Both entry points: one pass over context + tree keys (context None), split over the context in
     `num_splits` programs when that pays; or the tree keys only, merged with `context` = (out, natural-log LSE)."""
@@ -306,7 +308,7 @@ def _tree_attention(
     assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
     assert query.stride(2) == 1 and keys.stride(3) == 1 and values.stride(3) == 1 and output.stride(2) == 1
     group = num_q_heads // num_kv_heads
-    block_m, block_n = _block_sizes(query.dtype, head_dim)
+    block_m, block_n = block_sizes or _block_sizes(query.dtype, head_dim)
     m_tiles = triton.cdiv(width * group, block_m)
     tree_only = context is not None
     if tree_only:  # one split covers every key (only the few tree keys are read)
