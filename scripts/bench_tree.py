@@ -4,7 +4,8 @@ Triton kernels vs the tensor-op versions (VLLM_DDTREE_TREE_KERNELS=torch), over 
 
     python scripts/bench_tree.py [--vocab 151936] [--depth 15] [--out tree_bench.json]
 
-Each figure is the median of --iters timed calls (CUDA events around each call, after warm-up), eager launches as
+With vLLM importable (the staged bundle), a candidate for the top-K's log-probabilities is timed next to it
+(`vllm_log_probs_candidate`). Each figure is the median of --iters timed calls (CUDA events around each call, after warm-up), eager launches as
 in the decode step. Prints a markdown table and writes JSON.
 """
 
@@ -40,6 +41,28 @@ def median_ms(fn, iters: int) -> float:
     return statistics.median(times)
 
 
+def vllm_log_probs_candidate(logits: torch.Tensor, k: int, iters: int) -> dict:
+    """A candidate for `top_tokens` on CUDA, timed next to it: torch.topk for the ids, then Model Runner V2's
+    `compute_token_logprobs` kernel (max and sum of exp per row, log-probs at the ids only: no float32 copy of the
+    logits, which the log-softmax writes). Empty where vLLM's V2 modules do not import (a bare device)."""
+    try:
+        from vllm_ddtree.compat import v2_sampling
+
+        token_logprobs = v2_sampling().compute_token_logprobs
+    except ImportError:
+        return {}
+    rows = logits.view(-1, logits.shape[-1])  # [R * D, V]
+
+    def candidate():
+        ids = torch.topk(rows, k, dim=-1, sorted=True).indices  # [R * D, K]
+        return ids, token_logprobs(rows, ids)
+
+    ids, log_probs = candidate()
+    expected = torch.log_softmax(rows, dim=-1, dtype=torch.float32).gather(-1, ids)
+    return {"topk_vllm_lp_ms": median_ms(candidate, iters),
+            "topk_vllm_lp_max_abs_err": float((log_probs - expected).abs().max())}
+
+
 def measure(batch: int, budget: int, depth: int, vocab: int, iters: int) -> dict:
     logits = torch.randn(batch, depth, vocab, device="cuda", dtype=torch.bfloat16) * 3
     roots = torch.zeros(batch, dtype=torch.int64, device="cuda")
@@ -47,9 +70,11 @@ def measure(batch: int, budget: int, depth: int, vocab: int, iters: int) -> dict
     target = torch.randint(0, vocab, (batch, budget + 1), device="cuda")
     target.scatter_(1, tree.parents[:, 1:], tree.token_ids[:, 1:])  # targets that follow the tree
     num_nodes = torch.full((batch,), budget + 1, device="cuda")
+    k = topk_per_depth(vocab, None, budget)
     return {
         "build_ms": median_ms(lambda: build_draft_tree(logits, roots, budget), iters),
-        "topk_ms": median_ms(lambda: top_tokens(logits, topk_per_depth(vocab, None, budget)), iters),  # part of build
+        "topk_ms": median_ms(lambda: top_tokens(logits, k), iters),  # part of build
+        **vllm_log_probs_candidate(logits, k, iters),
         "mask_ms": median_ms(lambda: ancestor_mask(tree.parents), iters),
         "walk_ms": median_ms(lambda: walk_tree(tree.token_ids, tree.parents, tree.depths, target, num_nodes, depth),
                              iters),
@@ -71,11 +96,12 @@ def main() -> None:
         rows.append({"kernels": kernels, "batch": batch, "budget": budget,
                      **measure(batch, budget, args.depth, args.vocab, args.iters)})
     print(f"vocab {args.vocab}, depth {args.depth}, bf16 logits, {torch.cuda.get_device_name()}")
-    print("| kernels | batch | budget | build ms | of which top-K ms | mask ms | walk ms |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| kernels | batch | budget | build ms | of which top-K ms | top-K + vLLM log-probs ms | mask ms | walk ms |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
+        candidate = f"{r['topk_vllm_lp_ms']:.3f}" if "topk_vllm_lp_ms" in r else "-"
         print(f"| {r['kernels']} | {r['batch']} | {r['budget']} | {r['build_ms']:.3f} | {r['topk_ms']:.3f} | "
-              f"{r['mask_ms']:.3f} | {r['walk_ms']:.3f} |")
+              f"{candidate} | {r['mask_ms']:.3f} | {r['walk_ms']:.3f} |")
     Path(args.out).write_text(json.dumps({"setup": vars(args), "rows": rows}, indent=2))
 
 

@@ -213,7 +213,7 @@ def v2_sampling():
     from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
     from vllm.v1.worker.gpu.metrics.logits import get_num_nans
     from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
-    from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
+    from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs, compute_topk_scores
     from vllm.v1.worker.gpu.sample.output import SamplerOutput as V2SamplerOutput
     from vllm.v1.worker.gpu.sample.sampler import Sampler
     from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
@@ -246,6 +246,7 @@ def v2_sampling():
         gumbel_sample=target_gumbel_sample,
         get_num_sampled_and_rejected=get_num_sampled_and_rejected,
         compute_topk_scores=compute_topk_scores,
+        compute_token_logprobs=compute_token_logprobs,  # [R, V] logits, [R, n] ids -> [R, n] float32 (scripts/bench_tree.py)
         get_num_nans=get_num_nans,
         SamplerOutput=V2SamplerOutput,
         NO_LOGPROBS=NO_LOGPROBS,
