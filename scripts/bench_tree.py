@@ -4,9 +4,9 @@ Triton kernels vs the tensor-op versions (VLLM_DDTREE_TREE_KERNELS=torch), over 
 
     python scripts/bench_tree.py [--vocab 151936] [--depth 15] [--out tree_bench.json]
 
-With vLLM importable (the staged bundle), a candidate for the top-K's log-probabilities is timed next to it
-(`vllm_log_probs_candidate`). Each figure is the median of --iters timed calls (CUDA events around each call, after warm-up), eager launches as
-in the decode step. Prints a markdown table and writes JSON.
+With vLLM importable (the staged bundle), a candidate for the top-K's log-probabilities is timed next to it, once
+per batch and budget (`vllm_log_probs_candidate`). Each figure is the median of --iters timed calls (CUDA events
+around each call, after warm-up), eager launches as in the decode step. Prints a markdown table and writes JSON.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ def vllm_log_probs_candidate(logits: torch.Tensor, k: int, iters: int) -> dict:
     `compute_token_logprobs` kernel (max and sum of exp per row, log-probs at the ids only: no float32 copy of the
     logits, which the log-softmax writes). Empty where vLLM's V2 modules do not import (a bare device)."""
     try:
-        from vllm_ddtree.compat import v2_sampling
+        from vllm_ddtree.compat import v2_token_logprobs
 
-        token_logprobs = v2_sampling().compute_token_logprobs
+        token_logprobs = v2_token_logprobs()
     except ImportError:
         return {}
     rows = logits.view(-1, logits.shape[-1])  # [R * D, V]
@@ -63,7 +63,7 @@ def vllm_log_probs_candidate(logits: torch.Tensor, k: int, iters: int) -> dict:
             "topk_vllm_lp_max_abs_err": float((log_probs - expected).abs().max())}
 
 
-def measure(batch: int, budget: int, depth: int, vocab: int, iters: int) -> dict:
+def measure(batch: int, budget: int, depth: int, vocab: int, iters: int, with_candidate: bool) -> dict:
     logits = torch.randn(batch, depth, vocab, device="cuda", dtype=torch.bfloat16) * 3
     roots = torch.zeros(batch, dtype=torch.int64, device="cuda")
     tree = build_draft_tree(logits, roots, budget)
@@ -74,7 +74,7 @@ def measure(batch: int, budget: int, depth: int, vocab: int, iters: int) -> dict
     return {
         "build_ms": median_ms(lambda: build_draft_tree(logits, roots, budget), iters),
         "topk_ms": median_ms(lambda: top_tokens(logits, k), iters),  # part of build
-        **vllm_log_probs_candidate(logits, k, iters),
+        **(vllm_log_probs_candidate(logits, k, iters) if with_candidate else {}),
         "mask_ms": median_ms(lambda: ancestor_mask(tree.parents), iters),
         "walk_ms": median_ms(lambda: walk_tree(tree.token_ids, tree.parents, tree.depths, target, num_nodes, depth),
                              iters),
@@ -94,7 +94,7 @@ def main() -> None:
     for kernels, batch, budget in itertools.product(("triton", "torch"), args.batch_sizes, args.budgets):
         os.environ["VLLM_DDTREE_TREE_KERNELS"] = kernels
         rows.append({"kernels": kernels, "batch": batch, "budget": budget,
-                     **measure(batch, budget, args.depth, args.vocab, args.iters)})
+                     **measure(batch, budget, args.depth, args.vocab, args.iters, kernels == "triton")})
     print(f"vocab {args.vocab}, depth {args.depth}, bf16 logits, {torch.cuda.get_device_name()}")
     print("| kernels | batch | budget | build ms | of which top-K ms | top-K + vLLM log-probs ms | mask ms | walk ms |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

