@@ -254,6 +254,15 @@ def v2_sampling():
     )
 
 
+def v2_bad_words_state(sampler):
+    """Model Runner V2's `BadWordsState` of `sampler`: its attribute in 0.26, one of its `logits_processors` in 0.32."""
+    if hasattr(sampler, "bad_words_state"):
+        return sampler.bad_words_state
+    from vllm.v1.worker.gpu.sample.bad_words import BadWordsState
+
+    return next(p for p in sampler.logits_processors if isinstance(p, BadWordsState))
+
+
 def v2_token_logprobs():
     """Model Runner V2's `compute_token_logprobs(logits [R, V], token_ids [R, n]) -> [R, n]` float32 log-softmax at
     the given ids (one Triton kernel; no full log-softmax written): a top-K candidate timed by scripts/bench_tree.py."""

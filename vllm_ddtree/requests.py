@@ -12,8 +12,6 @@ def unsupported_reason(params) -> tuple[str, str] | None:
     """(parameter, why) for the first parameter DDTree does not support, or None."""
     if getattr(params, "structured_outputs", None) is not None:
         return "structured_outputs", f"structured output is not supported with DDTree yet; {_HOW}"
-    if getattr(params, "bad_words", None):
-        return "bad_words", f"bad_words is not supported with DDTree yet; {_HOW}"
     if getattr(params, "logprob_token_ids", None) is not None:
         return "logprob_token_ids", f"logprob_token_ids is not supported with DDTree yet; use logprobs; {_HOW}"
     if getattr(params, "thinking_token_budget", None) is not None:

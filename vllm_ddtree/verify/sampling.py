@@ -1,9 +1,9 @@
 """The target's choice at each tree node.
 
 Greedy requests take the argmax, sampled requests draw one token per node from the target's processed
-distribution at that node. Both see the allowed-token mask and penalties counted along the node's own root path;
-sampled requests then apply temperature, top-k/top-p (vLLM's own `apply_top_k_top_p`) and an exponential race
-(argmax p / q, q ~ Exp(1)) drawn from the request's generator when it has a seed. Each node's sample is
+distribution at that node. Both see the allowed-token mask, and penalties and bad words counted along the node's
+own root path; sampled requests then apply temperature, top-k/top-p (vLLM's own `apply_top_k_top_p`) and an
+exponential race (argmax p / q, q ~ Exp(1)) drawn from the request's generator when it has a seed. Each node's sample is
 independent of the drafter, so walking the tree along the samples yields tokens distributed exactly as the
 target's (the DDTree verification rule).
 
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_ddtree.verify.bad_words import mask_v1_bad_words
 from vllm_ddtree.verify.step import TreeStep, to_device
 
 _SAMPLING_EPS = 1e-5
@@ -163,14 +164,16 @@ def choose_nodes(
 ) -> NodeChoices:
     """The target's token at every logits row (one row per tree node), and the processed logits behind it.
 
-    The processing follows vLLM's `Sampler`: allowed-token mask, penalties (greedy rows take the argmax here),
+    The processing follows vLLM's `Sampler`: allowed-token mask, penalties, bad words along each node's path
+    (`bad_words.py`), min_tokens (greedy rows take the argmax here),
     then temperature, top-k/top-p and the exponential race for sampled rows. `logits` is not modified.
     """
     from vllm_ddtree.compat import apply_top_k_top_p, min_tokens_requests
 
     below_min = min_tokens_requests(sampling_metadata)
+    bad_words = getattr(sampling_metadata, "bad_words_token_ids", None)
     unprocessed = sampling_metadata.no_penalties and sampling_metadata.allowed_token_ids_mask is None
-    if sampling_metadata.all_greedy and unprocessed and not below_min:
+    if sampling_metadata.all_greedy and unprocessed and not below_min and not bad_words:
         return NodeChoices(logits.argmax(dim=-1), logits)
     node_req = node_requests(step)
     logits = logits.to(torch.float32)
@@ -178,6 +181,8 @@ def choose_nodes(
         logits = logits.masked_fill(sampling_metadata.allowed_token_ids_mask[node_req], float("-inf"))
     if not sampling_metadata.no_penalties:
         logits = apply_penalties_(logits, node_req, step, node_tokens, sampling_metadata)
+    if bad_words:
+        logits = mask_v1_bad_words(logits, step, node_tokens, sampling_metadata)
     if below_min:
         logits = mask_stop_tokens_below_min_tokens(logits, node_req, step, below_min)
     greedy = logits.argmax(dim=-1)

@@ -1,7 +1,7 @@
 """DDTree's scorer on vLLM's Model Runner V2, in place of V2's `RejectionSampler` (same call, same output).
 
 Per tree node the target's choice is V2's own: its sampling parameters (`Sampler.apply_sampling_params`, with the
-penalties counted along each node's path: `penalties_v2.py`), then a
+penalties and bad words counted along each node's path: `penalties_v2.py`, `bad_words.py`), then a
 Gumbel-max draw keyed by the request's seed and the node's position (root + depth, the position plain decoding
 gives that token), which is the argmax at temperature 0. The walk follows the choices from the root; every
 accepted token is therefore the one plain V2 decoding would have produced with the same seed. Then the accepted
@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from vllm_ddtree.kv.compact import compact_accepted_kv_, kv_for_the_walk
+from vllm_ddtree.verify.bad_words import install_tree_bad_words
 from vllm_ddtree.verify.penalties_v2 import install_tree_penalties
 from vllm_ddtree.verify.sampling import node_requests
 from vllm_ddtree.verify.scorer import walk_and_moves_
@@ -26,7 +27,10 @@ class TreeVerifier:
         self.state = state  # runner_v2.DDTreeV2State: this step's TreeStep, target layers, slot mappings
         self.speculator = speculator  # receives the accepted-path moves
         if sampler is not None and state is not None:
+            from vllm_ddtree.compat import v2_bad_words_state
+
             install_tree_penalties(sampler.penalties_state, state)  # penalties counted along each node's path
+            install_tree_bad_words(v2_bad_words_state(sampler), state)  # bad words matched along each node's path
 
     def __call__(self, logits: torch.Tensor, input_batch, draft_logits=None, *args, **kwargs):
         from vllm_ddtree.compat import v2_sampling
