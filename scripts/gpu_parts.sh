@@ -14,7 +14,8 @@ keep=$(mktemp -d); [ -d .gpu/answers ] && mv .gpu/answers "$keep/"
 [ -d "$keep/answers" ] && mv "$keep/answers" .gpu/; rmdir "$keep" 2>/dev/null || true
 cache=${GPU_BUNDLE_CACHE:-$HOME/.cache/gpu-bundle}
 # What travels besides a part: the tracked and untracked-not-ignored files (the shipped drafter is most of it).
-tree_mib=$(git ls-files -co --exclude-standard -z | du --files0-from=- -cb 2>/dev/null | tail -1 | awk '{print int($1 / 1048576) + 1}')
+# (a tracked file deleted here does not travel: du skips it, and its complaint is no failure)
+tree_mib=$( (git ls-files -co --exclude-standard -z | du --files0-from=- -cb 2>/dev/null || true) | tail -1 | awk '{print int($1 / 1048576) + 1}')
 part_mib=$((64 - tree_mib - 6))  # 6 MiB to spare: the tree grows by the results a session commits (session 19: 1 MiB was not enough)
 echo "working tree ${tree_mib} MiB: parts of ${part_mib} MiB"
 rm -rf .gpu/p* .gpu/split && mkdir -p .gpu/split

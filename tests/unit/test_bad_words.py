@@ -130,6 +130,13 @@ def test_v2_wrapper_reads_the_outputs_from_v2s_state(budget, seed):
     assert len(calls) == 4  # the tree rule ran instead of V2's kernel
     assert torch.equal(got, _expected(logits, step, input_ids, outputs, words))
     assert torch.isinf(got).any()
+    # V2's logits rows can be a strided view (the H200 run of the e2e test hit `view` on one): the same bans land.
+    wide = torch.zeros(logits.shape[0], VOCAB + 3)
+    strided = wide[:, :VOCAB]
+    strided.copy_(logits)
+    bad_words_state.apply_bad_words(strided, expanded, np.array(slots), input_ids, local_pos)
+    assert not strided.is_contiguous() and torch.equal(strided, got)
+    assert not wide[:, VOCAB:].any()  # nothing written past the view
 
 
 def test_v2_wrapper_without_words_in_the_batch_runs_v2s_kernel():

@@ -103,7 +103,10 @@ def mask_bad_words_(
     # -inf where a word matches, +inf elsewhere: `amin` leaves those entries as they were, whatever the order of
     # words that share a (row, token).
     ban = torch.where(matches & valid, float("-inf"), float("inf")).to(logits.dtype)
-    logits.view(-1).scatter_reduce_(0, index.flatten(), ban.flatten(), reduce="amin")
+    dense = logits if logits.is_contiguous() else logits.contiguous()  # V2's rows can be a strided view
+    dense.view(-1).scatter_reduce_(0, index.flatten(), ban.flatten(), reduce="amin")
+    if dense is not logits:
+        logits.copy_(dense)
     return logits
 
 
