@@ -20,7 +20,7 @@ source scripts/gpu_env.sh
 export PYTHONPATH="/tmp/pkgs:$PYTHONPATH"
 started=$SECONDS  # BENCH_S bounds the whole call: the conversion below (~20 s on a fresh machine) counts too
 [ -d /tmp/smollm2 ] || python scripts/convert_smollm2.py --out /tmp/smollm2 > "$OUT/convert.log" 2>&1
-drafter=${DRAFTER:-vllm_ddtree/drafters/smollm2-135m-instruct-dflash}
+drafter=${DRAFTER:-$SHIPPED_DRAFTER}
 pair=${PAIR_DIR:-/tmp/pair-bench}
 mkdir -p "$pair" "$OUT/pair" && cp "$pair"/* "$OUT/pair/" 2>/dev/null
 timeout "$(( ${BENCH_S:-540} - (SECONDS - started) ))" python scripts/benchmark.py --target /tmp/smollm2 --drafter "$drafter" \

@@ -9,3 +9,8 @@ printf "[vllm.general_plugins]\nddtree = vllm_ddtree:register\n" > "$d/entry_poi
 export PYTHONPATH="$PWD:$PYTHONPATH"
 # TP runs: plain NCCL all-reduce, no NVLink multicast (the device machines ask for that; see tests/e2e/test_tensor_parallel.py).
 export VLLM_ALLREDUCE_USE_SYMM_MEM=0 VLLM_FLASHINFER_ALLREDUCE_BACKEND=trtllm
+# The shipped drafter: the repository's, or the copy gpu_stage_data.sh staged when the tree left its weights out
+# (scripts/gpu_lean_tree.sh). The device scripts default to it; INIT_FROM=shipped in gpu_train.sh.
+SHIPPED_DRAFTER=vllm_ddtree/drafters/smollm2-135m-instruct-dflash
+[ -f "$SHIPPED_DRAFTER/model.safetensors" ] || SHIPPED_DRAFTER=/tmp/shipped-drafter
+export SHIPPED_DRAFTER

@@ -10,7 +10,7 @@ source scripts/gpu_env.sh
 export PYTHONPATH="/tmp/pkgs:$PYTHONPATH"
 [ -d /tmp/smollm2 ] || python scripts/convert_smollm2.py --out /tmp/smollm2 > "$OUT/convert.log" 2>&1
 timeout "${PROFILE_S:-560}" python scripts/bench_step.py --target /tmp/smollm2 \
-  --drafter "${DRAFTER:-vllm_ddtree/drafters/smollm2-135m-instruct-dflash}" --methods "${METHODS:-ddtree,dflash-v1,dflash,none}" \
+  --drafter "${DRAFTER:-$SHIPPED_DRAFTER}" --methods "${METHODS:-ddtree,dflash-v1,dflash,none}" \
   --batches "${BATCHES:-1,16}" --budget "${BUDGET:-15}" --chain-tokens 15 --prompt-len 256 --steps 32 --repeats 2 --torch-profile --python-profile --sync-report \
   --out /tmp/step/step.json > "$OUT/step.log" 2>&1
 echo "bench_step rc=$?"

@@ -13,3 +13,7 @@ if [ ! -f "$gguf" ] && [ -f /tmp/gguf-parts.count ] && [ "$(ls /tmp/gguf-parts |
   ls /tmp/gguf-parts/* | sort -V | xargs cat > "$gguf"
   echo "GGUF: $(sha256sum "$gguf" | cut -c1-16)"
 fi
+# The shipped drafter, where scripts/gpu_lean_tree.sh left its weights out of the tree (.gpu/drafter carried).
+if [ -f .gpu/drafter/drafter.tar ] && [ ! -f /tmp/shipped-drafter/model.safetensors ]; then
+  mkdir -p /tmp/shipped-drafter && tar -C /tmp/shipped-drafter -xf .gpu/drafter/drafter.tar && echo "drafter in /tmp/shipped-drafter"
+fi

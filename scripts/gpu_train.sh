@@ -5,6 +5,7 @@
 # 1.5): every training prompt (~16k) answered twice by vLLM (once greedy, once at T 0.7), 4 passes over them.
 # Needs the bundle staged and scripts/gpu_stage_data.sh run with .gpu/data and .gpu/g1..gM carried.
 # A rerun (same warm machine) resumes from the newest checkpoint. INIT_FROM=vllm_ddtree/drafters/smollm2-135m-instruct-dflash
+# (or INIT_FROM=shipped, which also finds the copy staged from a lean tree: scripts/gpu_lean_tree.sh)
 # starts from the shipped drafter's weights (more steps for the same device time; a new lr schedule); NUM_LAYERS above
 # its layer count adds layers that start as the identity (DFlashDrafter.add_layers; the shipped drafter has 4 since
 # session 20, set NUM_LAYERS=4 to continue it as it is). RESPONSES=1 keeps the greedy answers only
@@ -29,6 +30,7 @@ started=$SECONDS  # TRAIN_S bounds the whole script: conversion, generation, tra
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
 export PYTHONPATH="/tmp/pkgs:$PYTHONPATH"
+[ "${INIT_FROM:-}" = shipped ] && INIT_FROM=$SHIPPED_DRAFTER  # the repository's drafter or its staged copy (gpu_env.sh)
 python scripts/convert_smollm2.py --out /tmp/smollm2 > "$OUT/convert.log" 2>&1 || { tail -20 "$OUT/convert.log"; exit 1; }
 # Answers of an earlier session (SAVE_RESPONSES=1 below brought them back; kept here in .gpu/answers, carried): the
 # ~4.4 min of generation are skipped. train_drafter.py reads them by position, so PROMPTS and RESPONSES must match.
