@@ -150,3 +150,30 @@ def test_v2_wrapper_without_words_in_the_batch_runs_v2s_kernel():
     logits = torch.zeros(input_ids.shape[0], VOCAB)
     bad_words_state.apply_bad_words(logits, torch.tensor(slots)[node_requests(step)], np.array(slots), input_ids, None)
     assert calls[-1][0] == "v2"
+
+
+def test_v2_wrapper_in_vllm_032s_form():
+    """0.32's BadWordsState is a logits processor: `apply(logits, ctx)` with the batch on a LogitsContext."""
+    step, input_ids, outputs, words = _batch(4, 7)
+    slots = [5, 2, 7]
+    bad_words_state, calls = _v2_bad_words_state(slots, [[1], [2], [3]], outputs)
+    del bad_words_state.apply_bad_words
+    bad_words_state.apply = lambda logits, ctx: calls.append("v2") or logits
+    install_tree_bad_words(bad_words_state, SimpleNamespace(step=step))
+    for req, slot in enumerate(slots):
+        bad_words_state.add_request(slot, SimpleNamespace(bad_words_token_ids=words.get(req)))
+    logits = torch.randn(input_ids.shape[0], VOCAB, generator=torch.Generator().manual_seed(3))
+    ctx = SimpleNamespace(expanded_idx_mapping=torch.tensor(slots)[node_requests(step)], idx_mapping_np=np.array(slots),
+                          input_ids=input_ids)  # fmt: skip
+    got = bad_words_state.apply(logits.clone(), ctx)
+    assert "v2" not in calls and torch.equal(got, _expected(logits, step, input_ids, outputs, words))
+
+
+def test_compat_finds_v2s_bad_words_state_in_either_release():
+    from vllm.v1.worker.gpu.sample.bad_words import BadWordsState
+
+    from vllm_ddtree.compat import v2_bad_words_state
+
+    state = BadWordsState.__new__(BadWordsState)  # no request state needed to tell it apart
+    assert v2_bad_words_state(SimpleNamespace(logits_processors=[object(), state])) is state  # 0.32
+    assert v2_bad_words_state(SimpleNamespace(bad_words_state=state, logits_processors=[])) is state  # 0.26
