@@ -70,6 +70,7 @@ class Params:
     frequency: float = 0.0
     presence: float = 0.0
     allowed: list[int] | None = None
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token ids of each banned word
 
     @property
     def penalized(self) -> bool:
@@ -81,6 +82,9 @@ def reference_probs(raw: np.ndarray, outputs: list[int], p: Params) -> np.ndarra
     x = raw.astype(np.float64).copy()
     if p.allowed is not None:
         x[[t for t in range(V) if t not in p.allowed]] = -np.inf
+    for word in p.bad_words:  # vLLM's rule: the word's last token after the rest of it (output tokens only)
+        if len(word) - 1 <= len(outputs) and tuple(outputs[len(outputs) - len(word) + 1 :]) == word[:-1]:
+            x[word[-1]] = -np.inf
     counts = np.bincount(np.asarray(outputs, dtype=np.int64), minlength=V).astype(np.float64)
     seen = (counts > 0) | np.isin(np.arange(V), PROMPT)
     x = np.where(seen, np.where(x > 0, x / p.repetition, x * p.repetition), x)
@@ -171,6 +175,7 @@ class Batch:
             frequency_penalties=torch.tensor([p.frequency for p in ps], dtype=torch.float32),
             presence_penalties=torch.tensor([p.presence for p in ps], dtype=torch.float32),
             repetition_penalties=torch.tensor([p.repetition for p in ps], dtype=torch.float32),
+            bad_words_token_ids={r: [list(w) for w in p.bad_words] for r, p in enumerate(ps) if p.bad_words},
         )
 
 
@@ -270,6 +275,7 @@ VARIANTS = {
     "penalties": Params(temperature=0.9, repetition=1.4, frequency=0.5, presence=0.3),
     "penalties_topp": Params(temperature=1.1, repetition=0.8, frequency=-0.3, presence=0.4, top_p=0.85),
     "allowed_tokens": Params(temperature=1.0, allowed=[0, 2, 3]),
+    "bad_words": Params(temperature=1.0, bad_words=((2,), (1, 3), (0, 1), (4, 0, 1))),
 }
 
 
@@ -283,6 +289,7 @@ VARIANTS = {
         ("penalties", 7, "target_like"),
         ("penalties_topp", 15, "random"),
         ("allowed_tokens", 4, "adversarial"),
+        ("bad_words", 7, "target_like"),
     ],
 )
 def test_first_tokens_match_exact_distribution(name, budget, drafter):
