@@ -177,3 +177,12 @@ def test_compat_finds_v2s_bad_words_state_in_either_release():
     state = BadWordsState.__new__(BadWordsState)  # no request state needed to tell it apart
     assert v2_bad_words_state(SimpleNamespace(logits_processors=[object(), state])) is state  # 0.32
     assert v2_bad_words_state(SimpleNamespace(bad_words_state=state, logits_processors=[])) is state  # 0.26
+
+
+def test_a_banned_token_past_the_logits_bans_nothing():
+    """vLLM's rule slices `logits[t : t + 1]`, empty for t >= V: no ban, and nothing written into the next row."""
+    step, input_ids, outputs, _ = _batch(4, 8)
+    logits = torch.randn(input_ids.shape[0], VOCAB, generator=torch.Generator().manual_seed(8))
+    words = {0: [[VOCAB]], 2: [[VOCAB + 1]]}
+    got = mask_v1_bad_words(logits, step, node_tokens(step, input_ids), _v1_metadata(outputs, words))
+    assert torch.equal(got, _expected(logits, step, input_ids, outputs, words)) and torch.equal(got, logits)

@@ -98,8 +98,11 @@ def mask_bad_words_(
     tail = output_tail[:, output_tail.shape[1] - words.context_length :]
     contexts = node_contexts(step, node_tokens, tail)[words.request]  # [W, N, P]
     matches = ((contexts == words.prefix[:, None, :]) | ~words.prefix_used[:, None, :]).all(dim=-1)  # [W, N]
+    vocab = logits.shape[1]
     valid = torch.arange(width, device=logits.device)[None, :] < step.num_nodes[words.request][:, None]
-    index = step.node_rows[words.request] * logits.shape[1] + words.banned[:, None]  # [W, N] flat logits index
+    valid &= (words.banned < vocab)[:, None]  # a token past the logits bans nothing (vLLM's slice is empty there)
+    banned = words.banned.clamp(max=vocab - 1)
+    index = step.node_rows[words.request] * vocab + banned[:, None]  # [W, N] flat logits index
     # -inf where a word matches, +inf elsewhere: `amin` leaves those entries as they were, whatever the order of
     # words that share a (row, token).
     ban = torch.where(matches & valid, float("-inf"), float("inf")).to(logits.dtype)
