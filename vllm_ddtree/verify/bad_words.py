@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from vllm_ddtree.verify.step import TreeStep, to_device
+from vllm_ddtree.verify.v2_processors import wrap_v2_processor
 
 NO_TOKEN = -1  # a context slot before the request's first output token
 
@@ -130,49 +131,35 @@ def v2_output_tails(
 
 def install_tree_bad_words(bad_words_state, state) -> None:
     """Make V2's `BadWordsState` match along each node's path during a tree verification (`state.step` set), and run
-    V2's own kernel otherwise. V2's kernel reads a row's context from the tokens at its local positions, right for
-    plain decoding only. The words are recorded on the host as requests arrive (`add_request`). The call is
-    `apply_bad_words(logits, expanded_idx_mapping, idx_mapping_np, input_ids, expanded_local_pos)` in 0.26,
-    `apply(logits, ctx)` with those fields on a LogitsContext in 0.32."""
-    name = "apply_bad_words" if hasattr(bad_words_state, "apply_bad_words") else "apply"
-    original_apply, original_add = getattr(bad_words_state, name), bad_words_state.add_request
-    if getattr(original_apply, "_ddtree_hook", False):
-        return
-    words_by_slot: dict[int, list[list[int]]] = {}
+    V2's own kernel otherwise (`v2_processors.wrap_v2_processor`: `apply_bad_words` in 0.26, `apply` in 0.32).
+    The words are recorded on the host as requests arrive (`add_request`)."""
+    words_by_slot: dict[int, list[list[int]]] = {}  # only slots whose request has bad words
+    original_add = bad_words_state.add_request
 
     def add_request(req_idx, sampling_params, *args, **kwargs):
-        words_by_slot[req_idx] = list(sampling_params.bad_words_token_ids or [])
+        words = list(sampling_params.bad_words_token_ids or [])
+        if words:
+            words_by_slot[req_idx] = words
+        else:
+            words_by_slot.pop(req_idx, None)
         return original_add(req_idx, sampling_params, *args, **kwargs)
 
-    def tree_words(idx_mapping_np) -> BatchBadWords | None:
-        if state.step is None:
-            return None
-        words = {req: words_by_slot.get(int(slot)) for req, slot in enumerate(idx_mapping_np)}
-        return batch_bad_words({req: w for req, w in words.items() if w}, state.step.parents.device)
-
-    def apply_tree_rule(logits, words, expanded_idx_mapping, row_tokens):
+    def tree_rule(logits, expanded_idx_mapping, idx_mapping_np, row_tokens) -> bool:
         step = state.step
+        if step is None or not words_by_slot:  # most steps: nothing to look up per request
+            return False
+        slots_of_batch = [int(slot) for slot in idx_mapping_np]
+        by_request = {req: words_by_slot[slot] for req, slot in enumerate(slots_of_batch) if slot in words_by_slot}
+        words = batch_bad_words(by_request, step.parents.device)
+        if words is None:
+            return False
         slots = expanded_idx_mapping[step.node_rows[:, 0]]  # [R] the slot of each request, from its root's row
         tails = v2_output_tails(bad_words_state.req_states, slots, words.context_length)
         mask_bad_words_(logits, step, row_tokens.to(torch.int64)[step.node_rows], tails, words)
+        return True
 
-    def apply_bad_words(logits, expanded_idx_mapping, idx_mapping_np, input_ids, *args, **kwargs):  # 0.26
-        words = tree_words(idx_mapping_np)
-        if words is None:
-            return original_apply(logits, expanded_idx_mapping, idx_mapping_np, input_ids, *args, **kwargs)
-        apply_tree_rule(logits, words, expanded_idx_mapping, input_ids)
-
-    def apply(logits, ctx):  # 0.32
-        words = tree_words(ctx.idx_mapping_np)
-        if words is None:
-            return original_apply(logits, ctx)
-        apply_tree_rule(logits, words, ctx.expanded_idx_mapping, ctx.input_ids)
-        return logits
-
-    wrapper = apply_bad_words if name == "apply_bad_words" else apply
-    wrapper._ddtree_hook = True
-    setattr(bad_words_state, name, wrapper)
-    bad_words_state.add_request = add_request
+    if wrap_v2_processor(bad_words_state, "apply_bad_words", tree_rule):
+        bad_words_state.add_request = add_request
 
 
 def mask_v1_bad_words(

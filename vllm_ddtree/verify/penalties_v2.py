@@ -14,6 +14,7 @@ import torch
 
 from vllm_ddtree.verify.sampling import path_token_counts, penalize
 from vllm_ddtree.verify.step import TreeStep
+from vllm_ddtree.verify.v2_processors import wrap_v2_processor
 
 
 def unpack_bits(packed: torch.Tensor, num_bits: int) -> torch.Tensor:
@@ -48,28 +49,13 @@ def tree_penalties_(
 
 
 def install_tree_penalties(penalties_state, state) -> None:
-    """Wrap V2's penalties call: `apply_penalties(logits, expanded_idx_mapping, idx_mapping_np, input_ids, ...)`
-    in 0.26, `apply(logits, ctx)` with those fields on a LogitsContext in 0.32. `state.step` is the tree layout of
-    the step being verified, None otherwise."""
-    name = "apply_penalties" if hasattr(penalties_state, "apply_penalties") else "apply"
-    original = getattr(penalties_state, name)
-    if getattr(original, "_ddtree_hook", False):
-        return
+    """Wrap V2's penalties call (`v2_processors.wrap_v2_processor`: `apply_penalties` in 0.26, `apply` in 0.32).
+    `state.step` is the tree layout of the step being verified, None otherwise."""
 
-    def tree_rule_applies(idx_mapping_np) -> bool:
-        return state.step is not None and bool(penalties_state.use_penalty[idx_mapping_np].any())
-
-    def apply_penalties(logits, expanded_idx_mapping, idx_mapping_np, input_ids, *args, **kwargs):  # 0.26
-        if not tree_rule_applies(idx_mapping_np):
-            return original(logits, expanded_idx_mapping, idx_mapping_np, input_ids, *args, **kwargs)
+    def tree_rule(logits, expanded_idx_mapping, idx_mapping_np, input_ids) -> bool:
+        if state.step is None or not bool(penalties_state.use_penalty[idx_mapping_np].any()):
+            return False
         tree_penalties_(logits, state.step, input_ids, expanded_idx_mapping, penalties_state)
+        return True
 
-    def apply(logits, ctx):  # 0.32
-        if not tree_rule_applies(ctx.idx_mapping_np):
-            return original(logits, ctx)
-        tree_penalties_(logits, state.step, ctx.input_ids, ctx.expanded_idx_mapping, penalties_state)
-        return logits
-
-    wrapper = apply_penalties if name == "apply_penalties" else apply
-    wrapper._ddtree_hook = True
-    setattr(penalties_state, name, wrapper)
+    wrap_v2_processor(penalties_state, "apply_penalties", tree_rule)

@@ -3,9 +3,9 @@
 Greedy requests take the argmax, sampled requests draw one token per node from the target's processed
 distribution at that node. Both see the allowed-token mask, and penalties and bad words counted along the node's
 own root path; sampled requests then apply temperature, top-k/top-p (vLLM's own `apply_top_k_top_p`) and an
-exponential race (argmax p / q, q ~ Exp(1)) drawn from the request's generator when it has a seed. Each node's sample is
-independent of the drafter, so walking the tree along the samples yields tokens distributed exactly as the
-target's (the DDTree verification rule).
+exponential race (argmax p / q, q ~ Exp(1)) drawn from the request's generator when it has a seed. Each node's
+sample is independent of the drafter, so walking the tree along the samples yields tokens distributed exactly as
+the target's (the DDTree verification rule).
 
 Only SamplingMetadata fields are read; every tensor stays on the logits' device.
 """
