@@ -265,7 +265,7 @@ def v2_bad_words_state(sampler):
 
 def v2_token_logprobs():
     """Model Runner V2's `compute_token_logprobs(logits [R, V], token_ids [R, n]) -> [R, n]` float32 log-softmax at
-    the given ids (one Triton kernel; no full log-softmax written): a top-K candidate timed by scripts/bench_tree.py."""
+    the given ids (one Triton kernel; no full log-softmax written): `tree.build.top_tokens` uses it on many rows."""
     from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
 
     return compute_token_logprobs

@@ -204,6 +204,25 @@ def test_triton_tree_builder_matches_torch_builder(num_req, depth, vocab, budget
         assert torch.equal(getattr(got, name), getattr(expected, name)), name
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's log-prob kernel is Triton on CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_req,depth,vocab,k", [(1, 15, 151936, 15), (9, 15, 49152, 16), (32, 15, 151936, 15),
+                                                   (64, 7, 1000, 128)])
+def test_top_tokens_log_probs_match_log_softmax(num_req, depth, vocab, k, dtype):
+    """On both sides of TOKEN_LOGPROBS_KERNEL_MIN_ROWS (15 and 135+ rows), from a strided view of wider logits."""
+    from vllm_ddtree.tree.build import top_tokens
+
+    gen = torch.Generator(device="cuda").manual_seed(num_req)
+    wide = torch.randn(num_req, depth, vocab + 7, device="cuda", generator=gen).mul(3).to(dtype)
+    logits = wide[..., 3 : vocab + 3]  # [R, D, V] strided rows
+    token_ids, log_probs = top_tokens(logits, k)
+    expected_ids = torch.topk(logits, k, dim=-1, sorted=True).indices
+    expected = torch.log_softmax(logits.float(), dim=-1).gather(-1, expected_ids)
+    assert torch.equal(token_ids, expected_ids)
+    assert log_probs.dtype == torch.float32 and log_probs.shape == (num_req, depth, k)
+    torch.testing.assert_close(log_probs, expected, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter check is tests/unit/test_tree_build_triton.py")
 @pytest.mark.parametrize("num_req,depth,budget", [(1, 15, 15), (8, 15, 64), (64, 7, 128), (3, 3, 256)])
 def test_triton_mask_and_walk_match_torch(num_req, depth, budget, monkeypatch):

@@ -107,18 +107,48 @@ def _stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(key, k, dim=-1, sorted=True).indices
 
 
+# From this many [R * D] rows on, CUDA takes the log-probabilities from Model Runner V2's `compute_token_logprobs`
+# kernel (max + log-sum-exp per row, written at the K ids only) instead of a float32 log-softmax over [R, D, V].
+# Session 32's bench_tree at vocab 151,936: 0.84 vs 1.19 ms at batch 32 (480 rows), 1.37 vs 2.13 ms at batch 64,
+# but 0.32 vs 0.16 ms at batch 1 (15 rows): one program per row leaves the GPU idle on few rows.
+TOKEN_LOGPROBS_KERNEL_MIN_ROWS = 128
+
+
 def top_tokens(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-depth top-k tokens ranked by logit descending and their float32 log-probabilities, non-increasing
     along the last dim. Equal logits: lower id first on the CPU, torch.topk's choice on CUDA (module docstring).
 
-    The log-probabilities come from one fused float32 log-softmax (one pass over [R, D, V], no float copy of the
-    logits and no separate logsumexp); it is monotone in the logit, so ranking either gives the same order."""
-    log_probs = torch.log_softmax(draft_logits, dim=-1, dtype=torch.float32)  # [R, D, V]
-    if draft_logits.is_cuda:
-        token_ids = torch.topk(draft_logits, k, dim=-1, sorted=True).indices  # [R, D, K] (16-bit reads)
-    else:
-        token_ids, _ = _top_tokens_lowest_ids_first(draft_logits, k)
-    return token_ids, log_probs.gather(-1, token_ids)  # [R, D, K] int64, [R, D, K] float32
+    The log-probabilities are a float32 log-softmax taken at the chosen ids: on CUDA with at least
+    TOKEN_LOGPROBS_KERNEL_MIN_ROWS rows, by vLLM's kernel (no [R, D, V] float32 tensor); otherwise by one fused
+    log-softmax. It is monotone in the logit, so ranking either gives the same order."""
+    if not draft_logits.is_cuda:
+        token_ids, _ = _top_tokens_lowest_ids_first(draft_logits, k)  # [R, D, K]
+        return token_ids, _log_softmax_at(draft_logits, token_ids)
+    token_ids = torch.topk(draft_logits, k, dim=-1, sorted=True).indices  # [R, D, K] (16-bit reads)
+    vocab = draft_logits.shape[-1]
+    many_rows = draft_logits.numel() >= TOKEN_LOGPROBS_KERNEL_MIN_ROWS * vocab
+    token_logprobs = _token_logprobs_kernel() if many_rows else None
+    if token_logprobs is None:
+        return token_ids, _log_softmax_at(draft_logits, token_ids)
+    rows = draft_logits.reshape(-1, vocab)  # [R * D, V]
+    log_probs = token_logprobs(rows, token_ids.reshape(-1, k))  # [R * D, K] float32
+    return token_ids, log_probs.view(token_ids.shape)
+
+
+def _log_softmax_at(draft_logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """[R, D, K] float32 log-probabilities of `token_ids` under a log-softmax of [R, D, V] `draft_logits`."""
+    return torch.log_softmax(draft_logits, dim=-1, dtype=torch.float32).gather(-1, token_ids)
+
+
+@functools.cache
+def _token_logprobs_kernel():
+    """vLLM's `compute_token_logprobs`, or None where Model Runner V2's sampler does not import."""
+    from vllm_ddtree import compat
+
+    try:
+        return compat.v2_token_logprobs()
+    except ImportError:
+        return None
 
 
 def _top_tokens_lowest_ids_first(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
