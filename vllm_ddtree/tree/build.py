@@ -142,10 +142,11 @@ def _log_softmax_at(draft_logits: torch.Tensor, token_ids: torch.Tensor) -> torc
 
 @functools.cache
 def _token_logprobs_kernel():
-    """vLLM's `compute_token_logprobs`, or None where Model Runner V2's sampler does not import."""
-    from vllm_ddtree import compat
-
+    """vLLM's `compute_token_logprobs`, or None where vLLM or its Model Runner V2 sampler does not import (the tree
+    package itself needs torch only)."""
     try:
+        from vllm_ddtree import compat
+
         return compat.v2_token_logprobs()
     except ImportError:
         return None
