@@ -4,10 +4,11 @@ Triton kernels vs the tensor-op versions (VLLM_DDTREE_TREE_KERNELS=torch), over 
 
     python scripts/bench_tree.py [--vocab 151936] [--depth 15] [--out tree_bench.json]
 
-With vLLM importable (the staged bundle), a candidate for the top-K's log-probabilities is timed next to it, once
-per batch and budget (`vllm_log_probs_candidate`), and so is a two-pass chunked torch.topk for the ids
-(`chunked_top_ids_candidate`, any device). Each figure is the median of --iters timed calls (CUDA events
-around each call, after warm-up), eager launches as in the decode step. Prints a markdown table and writes JSON.
+With vLLM importable (the staged bundle), torch.topk + V2's log-prob kernel is timed next to `top_tokens`, once per
+batch and budget (`vllm_log_probs_candidate`), and so is the Triton top-K of tree/triton_topk.py
+(`triton_top_k_candidate`, any CUDA machine; session 32's two-pass chunked torch.topk lost at every size and is
+gone). Each figure is the median of --iters timed calls (CUDA events around each call, after warm-up), eager
+launches as in the decode step. Prints a markdown table and writes JSON.
 """
 
 from __future__ import annotations
@@ -64,37 +65,20 @@ def vllm_log_probs_candidate(logits: torch.Tensor, k: int, iters: int) -> dict:
             "topk_vllm_lp_max_abs_err": float((log_probs - expected).abs().max())}
 
 
-def chunk_widths(vocab: int, k: int, lo: int = 1024, hi: int = 8192) -> list[int]:
-    """Divisors of `vocab` in [lo, hi] (and >= k): the chunk widths `chunked_top_ids` can take."""
-    return [w for w in range(max(lo, k), min(hi, vocab) + 1) if vocab % w == 0]
+def triton_top_k_candidate(logits: torch.Tensor, k: int, iters: int) -> dict:
+    """tree/triton_topk.py (`VLLM_DDTREE_TOP_K=triton`) at a few chunk widths, and whether its logits and log-probs
+    match `top_tokens`' (ids may differ among equal logits: torch.topk does not take the lower id)."""
+    from vllm_ddtree.tree.triton_topk import MAX_K, top_tokens_triton
 
-
-def chunked_top_ids(rows: torch.Tensor, k: int, width: int) -> torch.Tensor:
-    """[rows, K] the top-k ids of each [rows, V] row, by logit descending, in two torch.topk passes: k per chunk of
-    `width` logits (many short rows), then k among the chunks' winners. The same values as one torch.topk over V
-    (the top-k of a union of the chunks' top-k); among equal logits either may pick other ids."""
-    num_rows, vocab = rows.shape
-    chunks = rows.view(num_rows, vocab // width, width)  # [rows, C, width]
-    values, ids = torch.topk(chunks, k, dim=-1, sorted=False)  # [rows, C, K]
-    ids = ids + torch.arange(0, vocab, width, device=rows.device)[:, None]  # ids in the whole vocabulary
-    best = torch.topk(values.flatten(1), k, dim=-1, sorted=True).indices  # [rows, K] among the C * K winners
-    return ids.flatten(1).gather(1, best)
-
-
-def chunked_top_ids_candidate(logits: torch.Tensor, k: int, iters: int) -> dict:
-    """torch.topk's ids alone next to `chunked_top_ids` (a candidate for the top-K's 0.64 ms at batch 32, session 31:
-    one radix select per 151,936-logit row keeps few blocks busy), and whether they pick the same values."""
-    rows = logits.view(-1, logits.shape[-1])  # [R * D, V]
-    widths = chunk_widths(rows.shape[1], k)
-    if not widths:
+    if k > MAX_K:
         return {}
-    expected = torch.topk(rows, k, dim=-1, sorted=True).values
-    same = all(torch.equal(rows.gather(1, chunked_top_ids(rows, k, w)), expected) for w in widths)
-    by_width = {w: median_ms(lambda w=w: chunked_top_ids(rows, k, w), iters) for w in widths}
-    width = min(by_width, key=by_width.get)
-    return {"topk_ids_ms": median_ms(lambda: torch.topk(rows, k, dim=-1, sorted=True).indices, iters),
-            "chunked_ids_ms": by_width[width], "chunk_width": width, "chunked_ms_by_width": by_width,
-            "chunked_same_values": same}
+    ids, log_probs = top_tokens(logits, k)
+    got_ids, got_lp = top_tokens_triton(logits, k)
+    by_chunk = {c: median_ms(lambda c=c: top_tokens_triton(logits, k, chunk=c), iters) for c in (2048, 4096, 8192)}
+    chunk = min(by_chunk, key=by_chunk.get)
+    return {"triton_topk_ms": by_chunk[chunk], "triton_chunk": chunk, "triton_ms_by_chunk": by_chunk,
+            "triton_same_logits": bool(torch.equal(logits.gather(-1, got_ids), logits.gather(-1, ids))),
+            "triton_lp_max_abs_err": float((got_lp - log_probs).abs().max())}
 
 
 def measure(batch: int, budget: int, depth: int, vocab: int, iters: int, with_candidate: bool) -> dict:
@@ -109,7 +93,7 @@ def measure(batch: int, budget: int, depth: int, vocab: int, iters: int, with_ca
         "build_ms": median_ms(lambda: build_draft_tree(logits, roots, budget), iters),
         "topk_ms": median_ms(lambda: top_tokens(logits, k), iters),  # part of build
         **(vllm_log_probs_candidate(logits, k, iters) if with_candidate else {}),
-        **(chunked_top_ids_candidate(logits, k, iters) if with_candidate else {}),
+        **(triton_top_k_candidate(logits, k, iters) if with_candidate else {}),
         "mask_ms": median_ms(lambda: ancestor_mask(tree.parents), iters),
         "walk_ms": median_ms(lambda: walk_tree(tree.token_ids, tree.parents, tree.depths, target, num_nodes, depth),
                              iters),
@@ -131,17 +115,17 @@ def main() -> None:
         rows.append({"kernels": kernels, "batch": batch, "budget": budget,
                      **measure(batch, budget, args.depth, args.vocab, args.iters, kernels == "triton")})
     print(f"vocab {args.vocab}, depth {args.depth}, bf16 logits, {torch.cuda.get_device_name()}")
-    print("| kernels | batch | budget | build ms | of which top-K ms | top-K + vLLM log-probs ms | torch.topk ids ms "
-          "| chunked ids ms (width, same values) | mask ms | walk ms |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| kernels | batch | budget | build ms | of which top-K ms | top-K + vLLM log-probs ms "
+          "| Triton top-K ms (chunk, same logits) | mask ms | walk ms |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 
     def cell(r, key, extra=""):
         return f"{r[key]:.3f}{extra}" if key in r else "-"
 
     for r in rows:
-        chunked = cell(r, "chunked_ids_ms", f" ({r.get('chunk_width')}, {r.get('chunked_same_values')})")
+        candidate = cell(r, "triton_topk_ms", f" ({r.get('triton_chunk')}, {r.get('triton_same_logits')})")
         print(f"| {r['kernels']} | {r['batch']} | {r['budget']} | {r['build_ms']:.3f} | {r['topk_ms']:.3f} | "
-              f"{cell(r, 'topk_vllm_lp_ms')} | {cell(r, 'topk_ids_ms')} | {chunked} | {r['mask_ms']:.3f} | "
+              f"{cell(r, 'topk_vllm_lp_ms')} | {candidate} | {r['mask_ms']:.3f} | "
               f"{r['walk_ms']:.3f} |")
     Path(args.out).write_text(json.dumps({"setup": vars(args), "rows": rows}, indent=2))
 

@@ -223,6 +223,24 @@ def test_top_tokens_log_probs_match_log_softmax(num_req, depth, vocab, k, dtype)
     torch.testing.assert_close(log_probs, expected, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter check is tests/unit/test_top_k_triton.py")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_req,depth,vocab,k", [(1, 15, 151936, 15), (32, 15, 151936, 32), (8, 15, 49152, 64),
+                                                   (5, 3, 4100, 1), (2, 4, 50, 40)])
+def test_triton_top_k_matches_cpu_rule(num_req, depth, vocab, k, dtype):
+    """The Triton top-K on CUDA gives the CPU path's ids exactly (lower id first among ties, logits on a coarse grid)
+    and its log-probs within float32 rounding."""
+    from vllm_ddtree.tree.build import top_tokens
+    from vllm_ddtree.tree.triton_topk import top_tokens_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(k)
+    logits = (torch.randn(num_req, depth, vocab, device="cuda", generator=gen) * 8).round().to(dtype)  # ties
+    ids, log_probs = top_tokens_triton(logits, k)
+    expected_ids, expected = top_tokens(logits.cpu(), k)
+    assert torch.equal(ids.cpu(), expected_ids)
+    torch.testing.assert_close(log_probs.cpu(), expected, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter check is tests/unit/test_tree_build_triton.py")
 @pytest.mark.parametrize("num_req,depth,budget", [(1, 15, 15), (8, 15, 64), (64, 7, 128), (3, 3, 256)])
 def test_triton_mask_and_walk_match_torch(num_req, depth, budget, monkeypatch):

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_ddtree.tree.dispatch import use_triton
+from vllm_ddtree.tree.dispatch import use_triton, use_triton_top_k
 
 __all__ = ["DraftTree", "build_draft_tree", "max_tree_nodes", "top_tokens", "tree_from_top_tokens", "trees_into_slots_"]
 
@@ -124,6 +124,10 @@ def top_tokens(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
     if not draft_logits.is_cuda:
         token_ids, _ = _top_tokens_lowest_ids_first(draft_logits, k)  # [R, D, K]
         return token_ids, _log_softmax_at(draft_logits, token_ids)
+    if use_triton_top_k(draft_logits, k):
+        from vllm_ddtree.tree.triton_topk import top_tokens_triton  # the CPU's tie rule, in two launches
+
+        return top_tokens_triton(draft_logits, k)
     token_ids = torch.topk(draft_logits, k, dim=-1, sorted=True).indices  # [R, D, K] (16-bit reads)
     vocab = draft_logits.shape[-1]
     many_rows = draft_logits.numel() >= TOKEN_LOGPROBS_KERNEL_MIN_ROWS * vocab
