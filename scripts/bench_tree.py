@@ -74,7 +74,7 @@ def triton_top_k_candidate(logits: torch.Tensor, k: int, iters: int) -> dict:
         return {}
     ids, log_probs = top_tokens(logits, k)
     got_ids, got_lp = top_tokens_triton(logits, k)
-    by_chunk = {c: median_ms(lambda c=c: top_tokens_triton(logits, k, chunk=c), iters) for c in (2048, 4096, 8192)}
+    by_chunk = {c: median_ms(lambda c=c: top_tokens_triton(logits, k, chunk=c), iters) for c in (1024, 2048, 4096)}
     chunk = min(by_chunk, key=by_chunk.get)
     return {"triton_topk_ms": by_chunk[chunk], "triton_chunk": chunk, "triton_ms_by_chunk": by_chunk,
             "triton_same_logits": bool(torch.equal(logits.gather(-1, got_ids), logits.gather(-1, ids))),

@@ -125,7 +125,7 @@ def top_tokens(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
         token_ids, _ = _top_tokens_lowest_ids_first(draft_logits, k)  # [R, D, K]
         return token_ids, _log_softmax_at(draft_logits, token_ids)
     if use_triton_top_k(draft_logits, k):
-        from vllm_ddtree.tree.triton_topk import top_tokens_triton  # the CPU's tie rule, in two launches
+        from vllm_ddtree.tree.triton_topk import top_tokens_triton  # the CPU's tie rule, in three launches
 
         return top_tokens_triton(draft_logits, k)
     token_ids = torch.topk(draft_logits, k, dim=-1, sorted=True).indices  # [R, D, K] (16-bit reads)
