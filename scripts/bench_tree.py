@@ -7,7 +7,8 @@ Triton kernels vs the tensor-op versions (VLLM_DDTREE_TREE_KERNELS=torch), over 
 With vLLM importable (the staged bundle), torch.topk + V2's log-prob kernel is timed next to `top_tokens`, once per
 batch and budget (`vllm_log_probs_candidate`), and so is the Triton top-K of tree/triton_topk.py
 (`triton_top_k_candidate`, any CUDA machine; session 32's two-pass chunked torch.topk lost at every size and is
-gone). Each figure is the median of --iters timed calls (CUDA events around each call, after warm-up), eager
+gone). `top_tokens` (the build's top-K column) follows VLLM_DDTREE_TOP_K: session 34's run had torch.topk's path
+there, before `auto` took the Triton top-K by default. Each figure is the median of --iters timed calls (CUDA events around each call, after warm-up), eager
 launches as in the decode step. Prints a markdown table and writes JSON.
 """
 
@@ -115,7 +116,7 @@ def main() -> None:
         rows.append({"kernels": kernels, "batch": batch, "budget": budget,
                      **measure(batch, budget, args.depth, args.vocab, args.iters, kernels == "triton")})
     print(f"vocab {args.vocab}, depth {args.depth}, bf16 logits, {torch.cuda.get_device_name()}")
-    print("| kernels | batch | budget | build ms | of which top-K ms | top-K + vLLM log-probs ms "
+    print("| kernels | batch | budget | build ms | of which top_tokens ms | torch.topk + vLLM log-probs ms "
           "| Triton top-K ms (chunk, same logits) | mask ms | walk ms |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 

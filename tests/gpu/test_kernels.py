@@ -208,9 +208,12 @@ def test_triton_tree_builder_matches_torch_builder(num_req, depth, vocab, budget
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("num_req,depth,vocab,k", [(1, 15, 151936, 15), (9, 15, 49152, 16), (32, 15, 151936, 15),
                                                    (64, 7, 1000, 128)])
-def test_top_tokens_log_probs_match_log_softmax(num_req, depth, vocab, k, dtype):
-    """On both sides of TOKEN_LOGPROBS_KERNEL_MIN_ROWS (15 and 135+ rows), from a strided view of wider logits."""
+def test_top_tokens_log_probs_match_log_softmax(num_req, depth, vocab, k, dtype, monkeypatch):
+    """torch.topk's path, on both sides of TOKEN_LOGPROBS_KERNEL_MIN_ROWS (15 and 135+ rows), from a strided view
+    of wider logits."""
     from vllm_ddtree.tree.build import top_tokens
+
+    monkeypatch.setenv("VLLM_DDTREE_TOP_K", "torch")  # the default takes the Triton top-K at some of these sizes
 
     gen = torch.Generator(device="cuda").manual_seed(num_req)
     wide = torch.randn(num_req, depth, vocab + 7, device="cuda", generator=gen).mul(3).to(dtype)
@@ -231,6 +234,7 @@ def test_triton_top_k_matches_cpu_rule(num_req, depth, vocab, k, dtype):
     """The Triton top-K on CUDA gives the CPU path's ids exactly (lower id first among ties, logits on a coarse grid)
     and its log-probs within float32 rounding."""
     from vllm_ddtree.tree.build import top_tokens
+    from vllm_ddtree.tree.dispatch import triton_top_k_wanted
     from vllm_ddtree.tree.triton_topk import top_tokens_triton
 
     gen = torch.Generator(device="cuda").manual_seed(k)
@@ -239,6 +243,8 @@ def test_triton_top_k_matches_cpu_rule(num_req, depth, vocab, k, dtype):
     expected_ids, expected = top_tokens(logits.cpu(), k)
     assert torch.equal(ids.cpu(), expected_ids)
     torch.testing.assert_close(log_probs.cpu(), expected, rtol=1e-5, atol=1e-4)
+    if triton_top_k_wanted("auto", num_req * depth, k):  # the default's CUDA path is this kernel here
+        assert torch.equal(top_tokens(logits, k)[0], ids)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter check is tests/unit/test_tree_build_triton.py")

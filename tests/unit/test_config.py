@@ -109,3 +109,11 @@ def test_drafting_config_drafts_every_position_at_every_batch_size():
     assert drafting.speculative_config.num_speculative_tokens_per_batch_size is None
     assert drafting.model_config == "target"
     assert spec_config.num_speculative_tokens == 64 and spec_config.num_speculative_tokens_per_batch_size is schedule
+
+
+def test_bad_top_k_switch_is_named_at_config_time(monkeypatch):
+    monkeypatch.setenv("VLLM_DDTREE_TOP_K", "trtion")
+    with pytest.raises(ValueError, match=r"VLLM_DDTREE_TOP_K='trtion'.*auto, triton, torch"):
+        split_ddtree_config(spec())
+    monkeypatch.setenv("VLLM_DDTREE_TOP_K", " Torch ")
+    split_ddtree_config(spec())  # case and spaces as VLLM_DDTREE_RUNNER's
