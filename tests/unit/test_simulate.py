@@ -1,0 +1,56 @@
+"""drafter/simulate.py's acceptance rules against brute force: the chain's matching prefix, and the deepest tree node
+whose root path is a prefix of the answer."""
+
+import random
+
+import torch
+
+from vllm_ddtree.drafter.simulate import chain_policy, tree_policy
+from vllm_ddtree.tree import build_draft_tree
+
+
+def node_paths(tree) -> list[list[int]]:
+    """Each node's tokens from the root's child down to it (brute force over parents)."""
+    tokens, parents = tree.token_ids[0].tolist(), tree.parents[0].tolist()
+    paths = []
+    for node in range(len(tokens)):
+        path = []
+        while node > 0:
+            path.append(tokens[node])
+            node = parents[node]
+        paths.append(path[::-1])
+    return paths
+
+
+def test_chain_policy_counts_the_matching_prefix():
+    logits = torch.full((15, 20), -5.0)
+    logits[torch.arange(15), torch.arange(15) % 20] = 5.0  # argmax at offset k: token k
+    assert chain_policy(logits, 0, list(range(15))) == 15
+    assert chain_policy(logits, 0, [0, 1, 2, 9, 4]) == 3
+    assert chain_policy(logits, 0, [7]) == 0
+
+
+def test_tree_policy_is_the_deepest_node_on_the_answer_path():
+    rng = random.Random(0)
+    gen = torch.Generator().manual_seed(0)
+    for budget in (1, 5, 16, 40):
+        for _ in range(20):
+            logits = torch.randn(15, 12, generator=gen) * 2
+            root = rng.randrange(12)
+            for temperature in (1.0, 0.5):
+                tree = build_draft_tree((logits / temperature)[None], torch.tensor([root]), budget)
+                paths = node_paths(tree)
+                # an answer that follows a random node's path, then leaves the tree or goes on at random
+                answer = rng.choice(paths) + [rng.randrange(12) for _ in range(15)]
+                answer = answer[:15]
+                expected = max(len(p) for p in paths if answer[: len(p)] == p)
+                assert tree_policy(budget, temperature)(logits, root, answer) == expected
+
+
+def test_a_one_token_per_depth_tree_accepts_as_the_chain():
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        logits = torch.randn(15, 30, generator=gen)
+        answer = logits.argmax(-1).tolist()
+        answer[int(torch.randint(0, 15, (1,), generator=gen))] = -1  # a miss somewhere
+        assert tree_policy(15, max_topk=1)(logits, 3, answer) == chain_policy(logits, 3, answer)

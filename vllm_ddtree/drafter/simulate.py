@@ -1,0 +1,87 @@
+"""Greedy speculative decoding replayed in pure torch on the target's own greedy answers: the acceptance length
+vLLM should report for a drafter, for vLLM's chain and for DDTree trees, without an engine.
+
+At temperature 0 every accepted token is the target's greedy token, so decoding an answer that is the target's
+greedy answer accepts, at each step, the longest run of the answer's next tokens that the draft holds: the chain's
+longest matching prefix, or the deepest tree node on the answer's path (the walk follows the target's argmax, which
+is the answer's next token at every node on that path). The drafter sees the target features of the accepted
+positions only (its context is the answer so far), as in the engine. Only the numerics differ from a GPU engine's
+(the drafter and target run here in the precision given).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from vllm_ddtree.drafter.features import target_features
+from vllm_ddtree.tree import build_draft_tree
+
+# accepted(block_logits [S - 1, V] for offsets 1..S-1, root token, the answer's next S - 1 tokens) -> accepted count
+Policy = Callable[[torch.Tensor, int, list[int]], int]
+
+
+def chain_policy(block_logits: torch.Tensor, root: int, truth: list[int]) -> int:
+    """vLLM's DFlash chain: the argmax at every offset; accepted while it matches the answer."""
+    proposal = block_logits.argmax(-1).tolist()
+    n = 0
+    while n < len(truth) and proposal[n] == truth[n]:
+        n += 1
+    return n
+
+
+def tree_policy(budget: int, temperature: float = 1.0, max_topk: int | None = None) -> Policy:
+    """DDTree with `budget` nodes, built from the drafter's logits divided by `temperature` (1: as the plugin
+    builds it); accepted: the depth of the deepest node on the answer's path."""
+
+    def accepted(block_logits: torch.Tensor, root: int, truth: list[int]) -> int:
+        tree = build_draft_tree((block_logits / temperature)[None], torch.tensor([root]), budget, max_topk)
+        tokens, parents = tree.token_ids[0].tolist(), tree.parents[0].tolist()
+        children: dict[tuple[int, int], int] = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens)) if i}
+        node, depth = 0, 0
+        while depth < len(truth) and (node, truth[depth]) in children:
+            node, depth = children[(node, truth[depth])], depth + 1
+        return depth
+
+    return accepted
+
+
+@torch.no_grad()
+def simulate_acceptance_lengths(drafter, target, seqs, policies: dict[str, Policy]) -> dict[str, float]:
+    """Mean acceptance length (1 + accepted / drafts, as vLLM reports it) per policy over `seqs` (each with
+    `prompt`, `response` and `ids`; the responses must be the target's greedy ones). The drafter's block at a
+    position is computed once for all policies."""
+    device = next(drafter.parameters()).device
+    layer_ids, S = drafter.config.target_layer_ids, drafter.config.block_size
+    drafts = dict.fromkeys(policies, 0)
+    accepted = dict.fromkeys(policies, 0)
+    for seq in seqs:
+        if len(seq.response) < 2:
+            continue
+        ids = torch.tensor([seq.ids], device=device)
+        features = target_features(target, ids, torch.tensor([ids.shape[1]], device=device), layer_ids)
+        blocks: dict[int, torch.Tensor] = {}
+
+        def block_logits(pos: int) -> torch.Tensor:  # [S - 1, V] float32, offsets 1..S-1 after position pos
+            if pos not in blocks:
+                block = torch.full((1, 1, S), drafter.config.mask_token_id, device=device)
+                block[0, 0, 0] = ids[0, pos]
+                hidden = drafter(block, torch.tensor([[pos]], device=device), features[:, :pos])
+                blocks[pos] = drafter.logits(hidden[0, 0, 1:]).float().cpu()
+            return blocks[pos]
+
+        end = len(seq.ids)
+        for name, policy in policies.items():
+            pos = len(seq.prompt)
+            while pos < end - 1:
+                n = policy(block_logits(pos), seq.ids[pos], seq.ids[pos + 1 : pos + S])
+                drafts[name] += 1
+                accepted[name] += n
+                pos += n + 1
+    return {name: 1.0 + accepted[name] / max(1, drafts[name]) for name in policies}
+
+
+def simulate_acceptance(drafter, target, seqs, pad_id: int | None = None) -> float:
+    """The chain's simulated acceptance length (`simulate_acceptance_lengths` with `chain_policy`)."""
+    return simulate_acceptance_lengths(drafter, target, seqs, {"chain": chain_policy})["chain"]
