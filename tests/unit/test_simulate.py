@@ -37,7 +37,7 @@ def test_tree_policy_is_the_deepest_node_on_the_answer_path():
         for _ in range(20):
             logits = torch.randn(15, 12, generator=gen) * 2
             root = rng.randrange(12)
-            for temperature in (1.0, 0.5):
+            for temperature in (1.0, 0.5, torch.linspace(0.8, 1.6, 15)[:, None]):  # one per depth too
                 tree = build_draft_tree((logits / temperature)[None], torch.tensor([root]), budget)
                 paths = node_paths(tree)
                 # an answer that follows a random node's path, then leaves the tree or goes on at random

@@ -31,9 +31,9 @@ def chain_policy(block_logits: torch.Tensor, root: int, truth: list[int]) -> int
     return n
 
 
-def tree_policy(budget: int, temperature: float = 1.0, max_topk: int | None = None) -> Policy:
+def tree_policy(budget: int, temperature: float | torch.Tensor = 1.0, max_topk: int | None = None) -> Policy:
     """DDTree with `budget` nodes, built from the drafter's logits divided by `temperature` (1: as the plugin
-    builds it); accepted: the depth of the deepest node on the answer's path."""
+    builds it; a [S - 1, 1] tensor: one per depth); accepted: the depth of the deepest node on the answer's path."""
 
     def accepted(block_logits: torch.Tensor, root: int, truth: list[int]) -> int:
         tree = build_draft_tree((block_logits / temperature)[None], torch.tensor([root]), budget, max_topk)
