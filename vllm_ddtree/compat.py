@@ -74,6 +74,8 @@ from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+from vllm_ddtree.env import env_choice
+
 VLLM_VERSION = vllm.__version__
 # Under vLLM's "vllm" logger, so the plugin's messages go through vLLM's handler and format (a top-level
 # "vllm_ddtree" logger had no handler: its INFO lines, e.g. the runner choice, were never shown).
@@ -166,13 +168,8 @@ def is_v2_verified_release(vllm_version: str) -> bool:
 
 def requested_runner() -> str:
     """VLLM_DDTREE_RUNNER: "auto" (default; the runner vLLM picks), "v1" (`runner.py`) or "v2" (`runner_v2.py`)."""
-    value = os.environ.get(RUNNER_ENV, "").strip().lower() or "auto"
-    if value not in RUNNER_CHOICES:
-        raise ValueError(
-            f"{RUNNER_ENV}={os.environ[RUNNER_ENV]!r} is not a model runner DDTree knows; use auto (vLLM's choice, "
-            "the default), v1 or v2"
-        )
-    return value
+    return env_choice(RUNNER_ENV, RUNNER_CHOICES, "is not a model runner DDTree knows; use auto (vLLM's choice, "
+                      "the default), v1 or v2")  # fmt: skip
 
 
 def v2_model_runner_module():

@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from vllm_ddtree.env import env_choice
+
 TOP_K_ENV = "VLLM_DDTREE_TOP_K"
 TOP_K_CHOICES = ("auto", "triton", "torch")
 # `auto` takes the Triton top-K for K <= AUTO_TRITON_TOP_K_MAX_K over at least AUTO_TRITON_TOP_K_MIN_ROWS rows.
@@ -34,13 +36,8 @@ def use_triton_top_k(draft_logits: torch.Tensor, k: int) -> bool:
 
 def top_k_choice() -> str:
     """VLLM_DDTREE_TOP_K, checked (config.split_ddtree_config reads it once at engine start, so a typo fails there)."""
-    choice = os.environ.get(TOP_K_ENV, "").strip().lower() or "auto"
-    if choice not in TOP_K_CHOICES:
-        raise ValueError(
-            f"{TOP_K_ENV}={os.environ[TOP_K_ENV]!r} is not one of {', '.join(TOP_K_CHOICES)}; unset it for auto "
-            "(the Triton top-K where it was timed faster)"
-        )
-    return choice
+    return env_choice(TOP_K_ENV, TOP_K_CHOICES, f"is not one of {', '.join(TOP_K_CHOICES)}; unset it for auto "
+                      "(the Triton top-K where it was timed faster)")  # fmt: skip
 
 
 def triton_top_k_wanted(choice: str, rows: int, k: int) -> bool:
