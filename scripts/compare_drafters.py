@@ -17,8 +17,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-PROMPTS_PER_SOURCE = {"sharegpt": 8, "mtbench": 4, "humaneval": 4}
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -42,9 +40,10 @@ def main() -> None:
     from vllm import SamplingParams
 
     from tests.e2e.engine import run
-    from vllm_ddtree.drafter.train import heldout_prompt_ids
+    from vllm_ddtree.drafter.train import CHECK_PROMPTS_PER_SOURCE, heldout_prompt_ids
 
-    prompts = heldout_prompt_ids(AutoTokenizer.from_pretrained(args.target), PROMPTS_PER_SOURCE, args.max_prompt_len)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    prompts = heldout_prompt_ids(tokenizer, CHECK_PROMPTS_PER_SOURCE, args.max_prompt_len)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False)
     engine = dict(skip_tokenizer_init=False, max_model_len=1024, dtype=args.dtype, max_num_seqs=len(prompts))
     methods = {"chain": ("dflash", args.chain_tokens), f"ddtree-B{args.budget}": ("ddtree", args.budget)}

@@ -22,8 +22,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-PROMPTS_PER_SOURCE = {"sharegpt": 8, "mtbench": 4, "humaneval": 4}
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -45,7 +43,9 @@ def main() -> None:
 
     from vllm_ddtree.drafter.model import DFlashDrafter
     from vllm_ddtree.drafter.simulate import chain_policy, simulate_acceptance_lengths, tree_policy
-    from vllm_ddtree.drafter.train import Sequence, _special_ids, generate_responses, heldout_prompt_ids, load_target
+    from vllm_ddtree.drafter.train import (
+        CHECK_PROMPTS_PER_SOURCE, Sequence, _special_ids, generate_responses, heldout_prompt_ids, load_target,
+    )
     from vllm_ddtree.drafters import default_drafter_dir
     from vllm_ddtree.models.smollm2 import convert_smollm2, default_smollm2_dir
 
@@ -59,7 +59,7 @@ def main() -> None:
     pad_id, eos_ids = _special_ids(target, tokenizer)
 
     started = time.perf_counter()
-    prompts = heldout_prompt_ids(tokenizer, PROMPTS_PER_SOURCE, args.max_prompt_len)
+    prompts = heldout_prompt_ids(tokenizer, CHECK_PROMPTS_PER_SOURCE, args.max_prompt_len)
     answers = generate_responses(target, prompts, args.max_new_tokens, 0.0, len(prompts), eos_ids, pad_id)
     seqs = [Sequence(p, a) for p, a in zip(prompts, answers)]
     depth = drafter.config.block_size - 1

@@ -76,7 +76,7 @@ def test_chain_accepts_as_the_trained_drafter_simulated_in_torch(smollm2, drafte
     model.attach_target(target.get_input_embeddings().weight, target.get_output_embeddings().weight)
     answers = [Sequence(list(p), list(a)) for p, a in zip(prompts, chain.token_ids)]
     with torch.no_grad():
-        simulated = simulate_acceptance(model, target, answers, pad_id=0)
+        simulated = simulate_acceptance(model, target, answers)
     print(f"simulated {simulated:.3f}")
     assert simulated == pytest.approx(chain.acceptance_length, rel=0.05)
 

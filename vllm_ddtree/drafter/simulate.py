@@ -82,6 +82,6 @@ def simulate_acceptance_lengths(drafter, target, seqs, policies: dict[str, Polic
     return {name: 1.0 + accepted[name] / max(1, drafts[name]) for name in policies}
 
 
-def simulate_acceptance(drafter, target, seqs, pad_id: int | None = None) -> float:
+def simulate_acceptance(drafter, target, seqs) -> float:
     """The chain's simulated acceptance length (`simulate_acceptance_lengths` with `chain_policy`)."""
     return simulate_acceptance_lengths(drafter, target, seqs, {"chain": chain_policy})["chain"]

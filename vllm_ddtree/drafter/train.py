@@ -193,6 +193,10 @@ def encode_prompts(tokenizer, prompts, chat_template: bool, max_prompt_len: int)
     return encoded
 
 
+# The held-out prompts of the CPU drafter checks (scripts/compare_drafters.py, scripts/simulate_tree_acceptance.py).
+CHECK_PROMPTS_PER_SOURCE = {"sharegpt": 8, "mtbench": 4, "humaneval": 4}
+
+
 def heldout_prompt_ids(tokenizer, per_source: dict[str, int], max_prompt_len: int) -> list[list[int]]:
     """The first ``per_source[source]`` held-out prompts of each source that fit ``max_prompt_len``, chat-templated
     and encoded as training encodes its prompts, source after source. ValueError if a source's package is missing."""
@@ -637,7 +641,7 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
     if done < cfg.steps:
         report["stopped_at"] = {"step": done, "of": cfg.steps, "time_limit_s": cfg.time_limit_s}
     if eval_seqs:
-        report["simulated_acceptance_length"] = simulate_acceptance(drafter, target, eval_seqs, pad_id)
+        report["simulated_acceptance_length"] = simulate_acceptance(drafter, target, eval_seqs)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report))
     return final
