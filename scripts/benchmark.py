@@ -42,11 +42,12 @@ def methods(
     return out
 
 
-# DDTree's keys by method-name suffix, e.g. ddtree-B32-treeafter-layoutgraph (Model Runner V2), ddtree-B15-chaintree.
+# DDTree's keys by method-name suffix, e.g. ddtree-B32-treeafter-hostlayout (Model Runner V2), ddtree-B15-chaintree.
 SWITCH_SUFFIXES = {
     "-ingraph": ("tree_in_graph", True),  # the default since session 23 (named so in its commands)
     "-treeafter": ("tree_in_graph", False),  # the tree built after the drafter's pass
-    "-layoutgraph": ("layout_in_graph", True),
+    "-layoutgraph": ("layout_in_graph", True),  # the default since session 35 (named so in its commands)
+    "-hostlayout": ("layout_in_graph", False),  # each step laid out from the host (the default before session 35)
     # One token per depth: with B = block - 1 the tree is the chain's own drafts, verified by DDTree's path (same
     # acceptance as `dflash`, so speed and bf16 drift differences are the tree machinery's alone).
     "-chaintree": ("max_topk", 1),

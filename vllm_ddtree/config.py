@@ -55,7 +55,7 @@ _UNSUPPORTED_KEYS = {
 
 
 # DDTree's true/false keys and their defaults (host-time cuts of Model Runner V2; no effect on V1).
-_SWITCH_KEYS = {"tree_in_graph": True, "layout_in_graph": False}
+_SWITCH_KEYS = {"tree_in_graph": True, "layout_in_graph": True}
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,9 @@ class DDTreeConfig:
     max_depth: int | None = None
     # Model Runner V2: build the tree inside the drafter's CUDA graph (speculator_v2.py); false: after its pass.
     tree_in_graph: bool = True
-    # Experimental (Model Runner V2): lay out uniform verification steps inside the target's FULL CUDA graphs
-    # (verify/step.py, GraphStepLayouts).
-    layout_in_graph: bool = False
+    # Model Runner V2: lay out uniform verification steps inside the target's FULL CUDA graphs (verify/step.py,
+    # GraphStepLayouts); false: from the host. On by default since session 35 (faster at batch 1-64 on the H200).
+    layout_in_graph: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -157,11 +157,7 @@ def install_runner_hooks() -> None:
             settings["depth"],
             settings["max_topk"],
         )
-        if settings.get("layout_in_graph"):  # tree_in_graph (on by default) does nothing here either
-            logger.warning(
-                "DDTree: \"layout_in_graph\": true has no effect on the V1 model runner; Model Runner V2 has it "
-                "(VLLM_DDTREE_RUNNER=v2)."
-            )
+        # tree_in_graph and layout_in_graph (both on by default) are Model Runner V2's; they do nothing here.
 
     @hook(GPUModelRunner, "initialize_kv_cache")
     def initialize_kv_cache(original, self, *args, **kwargs):

@@ -179,8 +179,8 @@ def install_v2_runner_hooks() -> None:
         self._ddtree.timer = step_timer(self.device)
         self._ddtree.uniform_layouts = UniformStepLayouts(self._ddtree.width, self.device)
         if settings.get("layout_in_graph") and backend_rows_requested():
-            logger.warning("DDTree: \"layout_in_graph\": true is ignored with VLLM_DDTREE_BACKEND_ROWS=1 (the kept "
-                           "backend rows are written on the host path only)")  # fmt: skip
+            logger.warning("DDTree: VLLM_DDTREE_BACKEND_ROWS=1 lays every step out from the host (\"layout_in_graph\" "
+                           "is off: the kept backend rows are written on the host path only)")  # fmt: skip
         elif settings.get("layout_in_graph"):
             self._ddtree.graph_layouts = GraphStepLayouts(self._ddtree.uniform_layouts, self.max_num_reqs, self.device)
             logger.info("DDTree: uniform verification steps are laid out inside the target's FULL CUDA graphs "

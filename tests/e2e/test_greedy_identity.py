@@ -98,14 +98,14 @@ def test_backend_rows_option_keeps_greedy_output(models, baseline, greedy_params
 
 @pytest.mark.parametrize(
     "block_size,budget,switches",
-    [(16, 15, {"tree_in_graph": False}), (4, 17, {"layout_in_graph": True}),
-     (16, 31, {"tree_in_graph": False, "layout_in_graph": True})],
+    [(16, 15, {"tree_in_graph": False}), (4, 17, {"layout_in_graph": False}),
+     (16, 31, {"tree_in_graph": False, "layout_in_graph": False})],
 )
 def test_graph_switches_keep_greedy_output(models, baseline, greedy_params, block_size, budget, switches):
     """Model Runner V2's host-time switches, against their defaults (the cases above): the tree built after the
-    drafter's pass instead of inside its CUDA graph ("tree_in_graph": false) and the step laid out inside the
-    target's graph ("layout_in_graph": true, experimental), each from the graphs' own fixed-address buffers, give
-    plain vLLM's tokens too."""
+    drafter's pass instead of inside its CUDA graph ("tree_in_graph": false) and the step laid out from the host
+    instead of inside the target's graph ("layout_in_graph": false), each from the graphs' own fixed-address
+    buffers, give plain vLLM's tokens too."""
     import torch
 
     if not torch.cuda.is_available():
@@ -117,7 +117,7 @@ def test_graph_switches_keep_greedy_output(models, baseline, greedy_params, bloc
     check_spec_metrics(result, budget, depth=block_size - 1)
 
 
-@pytest.mark.parametrize("switches", [{}, {"layout_in_graph": True}])
+@pytest.mark.parametrize("switches", [{}, {"layout_in_graph": False}])
 def test_prompts_of_exactly_the_tree_width_keep_greedy_output(models, greedy_params, switches):
     """Prompts of exactly B + 1 tokens, prefilled together: vLLM runs such a batch (every request n = B + 1
     scheduled tokens) in the FULL graph it captured for n-node tree verifications (on the GPU), so the prefill

@@ -102,6 +102,7 @@ def test_method_names_take_the_switch_and_runner_suffixes():
     both = {**b32, "tree_in_graph": True, "layout_in_graph": True}
     assert bench.spec_of_name("ddtree-B32-ingraph-layoutgraph", by_name) == both
     assert bench.spec_of_name("ddtree-B32-layoutgraph-ingraph-v2", by_name) == both
+    assert bench.spec_of_name("ddtree-B32-hostlayout", by_name) == {**b32, "layout_in_graph": False}
     assert bench.spec_of_name("ddtree-B32-treeafter", by_name) == {**b32, "tree_in_graph": False}
     assert bench.spec_of_name("ddtree-B32-chaintree-layoutgraph", by_name) == {**b32, "max_topk": 1,
                                                                                "layout_in_graph": True}

@@ -10,16 +10,16 @@ def spec(**extra):
 
 
 def test_split_passes_vllm_keys_and_keeps_tree_knobs():
-    dflash, ddtree = split_ddtree_config(spec(max_topk=4, max_depth=6, tree_in_graph=True, layout_in_graph=True,
+    dflash, ddtree = split_ddtree_config(spec(max_topk=4, max_depth=6, tree_in_graph=True, layout_in_graph=False,
                                               max_model_len=128))  # fmt: skip
     assert dflash == {"method": "dflash", "model": "/drafter", "num_speculative_tokens": 15, "max_model_len": 128}
-    assert ddtree == DDTreeConfig(budget=15, max_topk=4, max_depth=6, tree_in_graph=True, layout_in_graph=True)
+    assert ddtree == DDTreeConfig(budget=15, max_topk=4, max_depth=6, tree_in_graph=True, layout_in_graph=False)
 
 
 def test_defaults():
     _, ddtree = split_ddtree_config(spec())
     assert ddtree.max_topk is None and ddtree.max_depth is None
-    assert ddtree.tree_in_graph and not ddtree.layout_in_graph  # Model Runner V2's host-time cuts
+    assert ddtree.tree_in_graph and ddtree.layout_in_graph  # Model Runner V2's host-time cuts
     assert ddtree.depth_for(block_size=16) == 15
     assert DDTreeConfig(budget=3, max_depth=4).depth_for(block_size=16) == 4
 
