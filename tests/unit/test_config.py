@@ -1,6 +1,7 @@
 """DDTree's speculative-config keys: split into vLLM's DFlash config, defaults, and clear errors."""
 
 import pytest
+import torch
 
 from vllm_ddtree.config import MAX_BUDGET, DDTreeConfig, split_ddtree_config
 
@@ -117,3 +118,15 @@ def test_bad_top_k_switch_is_named_at_config_time(monkeypatch):
         split_ddtree_config(spec())
     monkeypatch.setenv("VLLM_DDTREE_TOP_K", " Torch ")
     split_ddtree_config(spec())  # case and spaces as VLLM_DDTREE_RUNNER's
+
+
+def test_bad_tree_kernels_switch_is_named_at_config_time(monkeypatch):
+    """VLLM_DDTREE_TREE_KERNELS used to take any value but "torch" as triton; a typo is now refused by name."""
+    from vllm_ddtree.tree.dispatch import use_triton
+
+    monkeypatch.setenv("VLLM_DDTREE_TREE_KERNELS", "torhc")
+    with pytest.raises(ValueError, match=r"VLLM_DDTREE_TREE_KERNELS='torhc' is not one of triton, torch"):
+        split_ddtree_config(spec())
+    monkeypatch.setenv("VLLM_DDTREE_TREE_KERNELS", " Torch ")
+    split_ddtree_config(spec())
+    assert not use_triton(torch.zeros(1))  # CPU tensors take the tensor-op versions whatever the switch

@@ -42,7 +42,9 @@ def test_m_rope_targets_are_refused_on_both_runners():
         args.create_speculative_config(SimpleNamespace(uses_mrope=True), SimpleNamespace(pipeline_parallel_size=1))
 
 
-def test_a_bad_top_k_switch_is_refused_when_the_config_is_built(monkeypatch):
-    monkeypatch.setenv("VLLM_DDTREE_TOP_K", "fast")
-    with pytest.raises(ValueError, match=r"VLLM_DDTREE_TOP_K='fast' is not one of auto, triton, torch"):
+@pytest.mark.parametrize("name,accepted", [("VLLM_DDTREE_TOP_K", "auto, triton, torch"),
+                                           ("VLLM_DDTREE_TREE_KERNELS", "triton, torch")])
+def test_a_bad_kernel_switch_is_refused_when_the_config_is_built(monkeypatch, name, accepted):
+    monkeypatch.setenv(name, "fast")
+    with pytest.raises(ValueError, match=rf"{name}='fast' is not one of {accepted}"):
         engine_args().create_engine_config()

@@ -9,12 +9,12 @@ than torch.topk with its log-probabilities (vocab 151,936, depth 15; docs/benchm
 0.89 ms at batch 32) and at batch 1 with K = 15 (0.155 against 0.138 ms). `triton` takes it for every K <= its
 MAX_K, `torch` never."""
 
-import os
-
 import torch
 
 from vllm_ddtree.env import env_choice
 
+TREE_KERNELS_ENV = "VLLM_DDTREE_TREE_KERNELS"
+TREE_KERNELS_CHOICES = ("triton", "torch")
 TOP_K_ENV = "VLLM_DDTREE_TOP_K"
 TOP_K_CHOICES = ("auto", "triton", "torch")
 # `auto` takes the Triton top-K for K <= AUTO_TRITON_TOP_K_MAX_K over at least AUTO_TRITON_TOP_K_MIN_ROWS rows.
@@ -23,7 +23,14 @@ AUTO_TRITON_TOP_K_MIN_ROWS = 64
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
-    return tensor.is_cuda and os.environ.get("VLLM_DDTREE_TREE_KERNELS", "triton") != "torch"
+    return tensor.is_cuda and tree_kernels_choice() == "triton"
+
+
+def tree_kernels_choice() -> str:
+    """VLLM_DDTREE_TREE_KERNELS, checked (config.split_ddtree_config reads it once at engine start, so a typo fails
+    there instead of meaning triton)."""
+    return env_choice(TREE_KERNELS_ENV, TREE_KERNELS_CHOICES, "is not one of triton, torch; unset it for the Triton "
+                      "kernels on CUDA (torch: the tensor-op versions they are tested against)")  # fmt: skip
 
 
 def use_triton_top_k(draft_logits: torch.Tensor, k: int) -> bool:
