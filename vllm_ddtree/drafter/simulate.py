@@ -7,6 +7,12 @@ longest matching prefix, or the deepest tree node on the answer's path (the walk
 is the answer's next token at every node on that path). The drafter sees the target features of the accepted
 positions only (its context is the answer so far), as in the engine. Only the numerics differ from a GPU engine's
 (the drafter and target run here in the precision given).
+
+The same replay holds for answers sampled from the target at a temperature T > 0. There the engine's walk
+follows the target's own sample at each node, so with the same samples the output is that sampled answer
+whatever the draft was, and a step accepts the deepest draft node on its path. Averaged over sampled answers,
+this is the engine's acceptance at T. For vLLM's chain with greedy drafts this is its rejection rule too (a
+draft token d is kept with probability p(d), the chance that the target's sample is d).
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ def tree_policy(budget: int, temperature: float | torch.Tensor = 1.0, max_topk: 
 @torch.no_grad()
 def simulate_acceptance_lengths(drafter, target, seqs, policies: dict[str, Policy]) -> dict[str, float]:
     """Mean acceptance length (1 + accepted / drafts, as vLLM reports it) per policy over `seqs` (each with
-    `prompt`, `response` and `ids`; the responses must be the target's greedy ones). The drafter's block at a
+    `prompt`, `response` and `ids`; the responses must be the target's own: greedy ones, or samples at the
+    temperature being simulated, see the module docstring). The drafter's block at a
     position is computed once for all policies."""
     device = next(drafter.parameters()).device
     layer_ids, S = drafter.config.target_layer_ids, drafter.config.block_size

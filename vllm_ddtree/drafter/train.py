@@ -230,7 +230,7 @@ def generate_responses(
             do_sample=temperature > 0,
             temperature=temperature if temperature > 0 else None,
             top_p=None,
-            top_k=None,
+            top_k=0 if temperature > 0 else None,  # 0: no top-k cut (transformers' default is 50), the whole distribution
             pad_token_id=pad_id,
             eos_token_id=sorted(eos_ids) or None,
         )
