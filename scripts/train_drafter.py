@@ -47,6 +47,9 @@ def parse_args(argv=None) -> TrainConfig:
                    help="the first answer of each prompt greedy, the others sampled at --temperature (vllm generator)")
     p.add_argument("--gen-batch-size", type=int, default=defaults["gen_batch_size"])
     p.add_argument("--generator", choices=("hf", "vllm"), default=defaults["generator"])
+    p.add_argument("--gen-cuda-graphs", action="store_true",
+                   help="vllm generator on a GPU: decode steps from FULL CUDA graphs (no torch.compile), prompts in "
+                        "waves of 1024; default eager")
     p.add_argument("--no-chat-template", dest="chat_template", action="store_false")
     p.add_argument("--steps", type=int, default=defaults["steps"])
     p.add_argument("--batch-size", type=int, default=defaults["batch_size"], help="sequences per step")
