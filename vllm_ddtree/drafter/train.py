@@ -57,7 +57,7 @@ class TrainConfig:
     gen_batch_size: int = 64
     generator: str = "hf"  # "hf" (transformers) or "vllm"
     # vllm generator on CUDA: decode steps replay FULL CUDA graphs (no torch.compile), prompts in waves of
-    # GRAPH_WAVE (`generate_responses_vllm`); off: eager, as every run before session 36
+    # GRAPH_WAVE (`generate_responses_vllm`); off (the default, every run so far): eager
     gen_cuda_graphs: bool = False
     chat_template: bool = True
     steps: int = 2000
@@ -254,8 +254,8 @@ def generate_responses_vllm(
     """Same as ``generate_responses`` with vLLM (much faster on a GPU), one temperature per prompt; yields the
     responses chunk by chunk (so a run cut short keeps the chunks already written) and frees the engine at the end.
     Past ``deadline`` (a `time.monotonic()` value) no further chunk is started. `cuda_graphs` (CUDA only): decode
-    steps from FULL CUDA graphs captured without torch.compile, in chunks of GRAPH_WAVE prompts. Eager decoding
-    of SmolLM2 ran ~20-29k tok/s on the H200 (sessions 19-24), host-bound at ~30 ms a step of 1024 requests."""
+    steps from FULL CUDA graphs captured without torch.compile, in chunks of GRAPH_WAVE prompts (eager decoding
+    of SmolLM2 ran 20-29k tok/s on the H200 in sessions 19-24, with vLLM's default of 1024 requests a step)."""
     import gc
 
     from vllm import LLM, SamplingParams
@@ -267,8 +267,9 @@ def generate_responses_vllm(
         return
 
     max_model_len = max(len(p) for p in prompts) + max_new_tokens
-    # Eager everywhere: on CPU compiled mode produced wrong SmolLM2 chat output (docs/drafter.md); on the H200 the
-    # one-off torch.compile + CUDA-graph capture (~2 min at engine start) costs more than it saves for one pass.
+    # Eager by default: on CPU compiled mode produced wrong SmolLM2 chat output (docs/drafter.md); on the H200 the
+    # one-off torch.compile + CUDA-graph capture (~2 min at engine start) cost more than it saved for one pass.
+    # `cuda_graphs` captures FULL decode graphs without torch.compile instead (CUDA only).
     on_cpu = not torch.cuda.is_available()
     if cuda_graphs and not on_cpu:
         chunk_size = min(chunk_size, GRAPH_WAVE)
