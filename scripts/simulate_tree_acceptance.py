@@ -50,7 +50,7 @@ def main() -> None:
     import torch
 
     from vllm_ddtree.drafter.model import DFlashDrafter
-    from vllm_ddtree.drafter.simulate import chain_policy, simulate_acceptance_lengths, tree_policy
+    from vllm_ddtree.drafter.simulate import acceptance_length, chain_policy, simulate_draft_counts, tree_policy
     from vllm_ddtree.drafter.train import (
         CHECK_PROMPTS_PER_SOURCE, Sequence, _special_ids, generate_responses, heldout_prompt_ids, load_target,
     )
@@ -68,6 +68,9 @@ def main() -> None:
 
     started = time.perf_counter()
     prompts = heldout_prompt_ids(tokenizer, CHECK_PROMPTS_PER_SOURCE, args.max_prompt_len)
+    if len(prompts) != sum(CHECK_PROMPTS_PER_SOURCE.values()):  # the per-source slices below count on it
+        raise SystemExit(f"{len(prompts)} held-out prompts fit {args.max_prompt_len} tokens, not "
+                         f"{sum(CHECK_PROMPTS_PER_SOURCE.values())}: raise --max-prompt-len")
     depth = drafter.config.block_size - 1
     along = torch.arange(depth, dtype=torch.float32)[:, None] / max(depth - 1, 1)  # [D, 1] 0 at depth 1, 1 at D
     configs = [(t, s, b) for t in args.temperatures for s in args.depth_slopes for b in args.budgets]
@@ -80,8 +83,16 @@ def main() -> None:
         answers = generate_responses(target, prompts, args.max_new_tokens, answer_temperature, len(prompts), eos_ids,
                                      pad_id)  # fmt: skip
         seqs = [Sequence(p, a) for p, a in zip(prompts, answers)]
-        lengths = simulate_acceptance_lengths(drafter, target, seqs, policies)
-        results[f"{answer_temperature:g}"] = {"answer_tokens": sum(map(len, answers)), "acceptance_length": lengths}
+        by_source, start = {}, 0  # heldout_prompt_ids gives the sources' prompts one source after another
+        for source, count in CHECK_PROMPTS_PER_SOURCE.items():
+            by_source[source] = simulate_draft_counts(drafter, target, seqs[start : start + count], policies)
+            start += count
+        totals = {n: tuple(map(sum, zip(*(counts[n] for counts in by_source.values())))) for n in policies}
+        results[f"{answer_temperature:g}"] = {
+            "answer_tokens": sum(map(len, answers)),
+            "acceptance_length": {n: acceptance_length(*totals[n]) for n in policies},
+            "by_source": {source: {n: acceptance_length(*c[n]) for n in policies} for source, c in by_source.items()},
+        }
     seconds = time.perf_counter() - started
 
     print(f"target {target_dir}\ndrafter {drafter_dir}\n{len(prompts)} held-out prompts, {seconds:.0f} s\n")
@@ -98,6 +109,12 @@ def main() -> None:
             cells.append(f"{value:.3f} | {value / lengths['chain']:.3f}")
         print(f"| DDTree B = {budget} | {temperature:g} | {slope:g} | " + " | ".join(cells) + " |")
     print("\nanswer tokens: " + ", ".join(f"T = {c}: {results[c]['answer_tokens']}" for c in columns))
+    print("\nBy prompt source (acceptance length):\n\n| answers | draft | "
+          + " | ".join(CHECK_PROMPTS_PER_SOURCE) + " |\n| --- | --- |" + " ---: |" * len(CHECK_PROMPTS_PER_SOURCE))
+    for c in columns:
+        for policy in policies:
+            print(f"| T = {c} | {policy} | " + " | ".join(f"{results[c]['by_source'][source][policy]:.3f}"
+                                                       for source in CHECK_PROMPTS_PER_SOURCE) + " |")  # fmt: skip
     Path(args.out).write_text(json.dumps({"setup": {**vars(args), "target": target_dir, "drafter": str(drafter_dir),
                                                     "prompts": len(prompts), "seconds": round(seconds, 1)},
                                           "by_answer_temperature": results}, indent=1) + "\n")  # fmt: skip

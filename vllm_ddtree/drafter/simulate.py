@@ -53,12 +53,24 @@ def tree_policy(budget: int, temperature: float | torch.Tensor = 1.0, max_topk: 
     return accepted
 
 
-@torch.no_grad()
 def simulate_acceptance_lengths(drafter, target, seqs, policies: dict[str, Policy]) -> dict[str, float]:
     """Mean acceptance length (1 + accepted / drafts, as vLLM reports it) per policy over `seqs` (each with
     `prompt`, `response` and `ids`; the responses must be the target's own: greedy ones, or samples at the
-    temperature being simulated, see the module docstring). The drafter's block at a
-    position is computed once for all policies."""
+    temperature being simulated, see the module docstring)."""
+    counts = simulate_draft_counts(drafter, target, seqs, policies)
+    return {name: acceptance_length(*counts[name]) for name in policies}
+
+
+def acceptance_length(drafts: int, accepted: int) -> float:
+    """vLLM's mean acceptance length, 1 + accepted / drafts."""
+    return 1.0 + accepted / max(1, drafts)
+
+
+@torch.no_grad()
+def simulate_draft_counts(drafter, target, seqs, policies: dict[str, Policy]) -> dict[str, tuple[int, int]]:
+    """(drafts, accepted tokens) per policy over `seqs`, as `simulate_acceptance_lengths` counts them (counts add
+    up over groups of answers, e.g. per prompt source). The drafter's block at a position is computed once for
+    all policies."""
     device = next(drafter.parameters()).device
     layer_ids, S = drafter.config.target_layer_ids, drafter.config.block_size
     drafts = dict.fromkeys(policies, 0)
@@ -86,7 +98,7 @@ def simulate_acceptance_lengths(drafter, target, seqs, policies: dict[str, Polic
                 drafts[name] += 1
                 accepted[name] += n
                 pos += n + 1
-    return {name: 1.0 + accepted[name] / max(1, drafts[name]) for name in policies}
+    return {name: (drafts[name], accepted[name]) for name in policies}
 
 
 def simulate_acceptance(drafter, target, seqs) -> float:
