@@ -112,21 +112,18 @@ def test_drafting_config_drafts_every_position_at_every_batch_size():
     assert spec_config.num_speculative_tokens == 64 and spec_config.num_speculative_tokens_per_batch_size is schedule
 
 
-def test_bad_top_k_switch_is_named_at_config_time(monkeypatch):
-    monkeypatch.setenv("VLLM_DDTREE_TOP_K", "trtion")
-    with pytest.raises(ValueError, match=r"VLLM_DDTREE_TOP_K='trtion'.*auto, triton, torch"):
-        split_ddtree_config(spec())
-    monkeypatch.setenv("VLLM_DDTREE_TOP_K", " Torch ")
-    split_ddtree_config(spec())  # case and spaces as VLLM_DDTREE_RUNNER's
-
-
-def test_bad_tree_kernels_switch_is_named_at_config_time(monkeypatch):
-    """VLLM_DDTREE_TREE_KERNELS used to take any value but "torch" as triton; a typo is now refused by name."""
+@pytest.mark.parametrize(
+    "name,typo,refusal",
+    [("VLLM_DDTREE_TOP_K", "trtion", r"VLLM_DDTREE_TOP_K='trtion'.*auto, triton, torch"),
+     # used to take any value but "torch" as triton
+     ("VLLM_DDTREE_TREE_KERNELS", "torhc", r"VLLM_DDTREE_TREE_KERNELS='torhc' is not one of triton, torch")],
+)
+def test_bad_kernel_switch_is_named_at_config_time(monkeypatch, name, typo, refusal):
     from vllm_ddtree.tree.dispatch import use_triton
 
-    monkeypatch.setenv("VLLM_DDTREE_TREE_KERNELS", "torhc")
-    with pytest.raises(ValueError, match=r"VLLM_DDTREE_TREE_KERNELS='torhc' is not one of triton, torch"):
+    monkeypatch.setenv(name, typo)
+    with pytest.raises(ValueError, match=refusal):
         split_ddtree_config(spec())
-    monkeypatch.setenv("VLLM_DDTREE_TREE_KERNELS", " Torch ")
-    split_ddtree_config(spec())
+    monkeypatch.setenv(name, " Torch ")
+    split_ddtree_config(spec())  # case and spaces as VLLM_DDTREE_RUNNER's
     assert not use_triton(torch.zeros(1))  # CPU tensors take the tensor-op versions whatever the switch
