@@ -8,6 +8,7 @@
 # brings back what it measured: session 13 lost a whole call's rows to a copy that came after the limit).
 # EAGER=1: no CUDA graphs or torch.compile (engines start in seconds): for acceptance lengths, not for speed.
 # ROW_S (default 3): a row's prompts run again until this many seconds have passed (benchmark.py --min-row-seconds).
+# TEMPS (default "0 1"): the sampling temperatures.
 # BUDGETS (default "8 16 32 64 128"): the ddtree-B<n> methods METHODS picks from (ddtree-B15-chaintree: BUDGETS=15).
 # ROUNDS=N: every method's engine starts first, then each row runs for all methods in turn, N times (benchmark.py
 # --interleave; GPU memory split between the engines): ratios taken within a round (table.md) do not depend on how
@@ -24,7 +25,7 @@ drafter=${DRAFTER:-$SHIPPED_DRAFTER}
 pair=${PAIR_DIR:-/tmp/pair-bench}
 mkdir -p "$pair" "$OUT/pair" && cp "$pair"/* "$OUT/pair/" 2>/dev/null
 timeout "$(( ${BENCH_S:-540} - (SECONDS - started) ))" python scripts/benchmark.py --target /tmp/smollm2 --drafter "$drafter" \
-  --budgets ${BUDGETS:-8 16 32 64 128} --batch-sizes ${BATCHES:-1 4 16 64} --temperatures 0 1 --max-tokens 256 --stop-at-eos \
+  --budgets ${BUDGETS:-8 16 32 64 128} --batch-sizes ${BATCHES:-1 4 16 64} --temperatures ${TEMPS:-0 1} --max-tokens 256 --stop-at-eos \
   --min-prompts 16 --prompts-per-batch "${PROMPTS_PER_BATCH:-1}" --min-row-seconds "${ROW_S:-3}" --out "$OUT/pair" --resume ${SCHEDULES:+--schedules $SCHEDULES} ${METHODS:+--methods $METHODS} \
   ${EAGER:+--eager} ${ROUNDS:+--interleave $ROUNDS --gpu-memory-utilization 0.8} ${CPUS:+--cpus $CPUS} \
   > "$OUT/bench_pair.log" 2>&1
