@@ -16,7 +16,10 @@
 # same warm machine goes on from them (session 31: LATER_TURNS=1 EXTRA_ROUNDS=1 without carried answers needed more
 # than one 600 s call for generation alone, and the call limit cut the first attempt with nothing saved).
 # GEN_GRAPHS=1: the vLLM generator decodes from FULL CUDA graphs in waves of 1024 prompts (train_drafter.py
-# --gen-cuda-graphs; not yet run: eager generation ran 20-29k tok/s, ~4.4 min for 27k answers).
+# --gen-cuda-graphs). Session 36: 25-34k tok/s against eager's 20-29k, so ~1.2x at most: the generator is bound by
+# the host's work per request, not by the GPU (docs/benchmarks.md, "Session 36 on the H200").
+# GEN_ENGINES=N: N generator engines answer side by side, each in its own process (train_drafter.py --gen-engines;
+# new in session 36, not yet run on a GPU): the host work spreads over N of the machine's 16 cores.
 # SAVE_RESPONSES=1 brings the generated answers back; carried later as .gpu/answers they skip the generation.
 # EXTRA_ROUNDS=N generates N more answers per prompt at T 0.7 after the carried ones (~2 min per round of 13.5k).
 # LATER_TURNS=1 adds every later user turn of the training conversations as a prompt, answered once greedily after
@@ -47,7 +50,7 @@ timeout "$left" python scripts/train_drafter.py --target /tmp/smollm2 --out /tmp
   --block-size 16 --num-layers "${NUM_LAYERS:-2}" --num-prompts "${PROMPTS:-16000}" --generator "${GENERATOR:-vllm}" \
   --responses-per-prompt "${RESPONSES:-2}" --extra-answer-rounds "${EXTRA_ROUNDS:-0}" ${LATER_TURNS:+--later-turns} --greedy-first --temperature 0.7 \
   --gen-batch-size 256 --steps "${STEPS:-4000}" --lr "${LR:-1e-3}" --weight-decay 0.01 --eval-every 250 \
-  --batch-size 32 --loss-decay 7 --save-every 250 --time-limit-s "$(( left - 105 ))" ${GEN_GRAPHS:+--gen-cuda-graphs} $resume ${NO_FEATURE_STORE:+--no-feature-store} ${SOFT_LABELS:+--soft-labels $SOFT_LABELS} ${INIT_FROM:+--init-from "$INIT_FROM"} 2>&1 | tr '\r' '\n' | grep --line-buffered -v "^\s*$" | awk 'NR % 20 == 1 || /Error|error|warning|report|acceptance|heldout|generated|time limit|stopped|feature store|{/ {print; fflush()}' \
+  --batch-size 32 --loss-decay 7 --save-every 250 --time-limit-s "$(( left - 105 ))" ${GEN_GRAPHS:+--gen-cuda-graphs} ${GEN_ENGINES:+--gen-engines $GEN_ENGINES} $resume ${NO_FEATURE_STORE:+--no-feature-store} ${SOFT_LABELS:+--soft-labels $SOFT_LABELS} ${INIT_FROM:+--init-from "$INIT_FROM"} 2>&1 | tr '\r' '\n' | grep --line-buffered -v "^\s*$" | awk 'NR % 20 == 1 || /Error|error|warning|report|acceptance|heldout|generated|time limit|stopped|feature store|{/ {print; fflush()}' \
   > "$OUT/train.log"
 echo "train rc=${PIPESTATUS[0]}"; tail -5 "$OUT/train.log"
 if [ -f /tmp/smollm2-dflash/report.json ]; then

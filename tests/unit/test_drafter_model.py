@@ -247,7 +247,7 @@ def test_training_end_to_end_with_several_sampled_answers_per_prompt(tmp_path, o
 def test_vllm_generator_greedy_first_answers_are_the_greedy_ones(tmp_path, one_cpu_thread):
     """The vLLM answer generator (token ids in and out, EOS from the target's generation config, chunk by chunk):
     with greedy_first, answer 0 of each prompt equals transformers' greedy answer (an independent oracle, cut after
-    EOS the same way) and answer 1 is sampled."""
+    EOS the same way) and answer 1 is sampled. Two engines in processes of their own give the same answers."""
     from tests.tiny_models import make_tiny_target
     from vllm_ddtree.drafter.train import (
         TrainConfig, _special_ids, answer_temperature, generate_responses, generate_responses_vllm, load_target,
@@ -268,6 +268,13 @@ def test_vllm_generator_greedy_first_answers_are_the_greedy_ones(tmp_path, one_c
     greedy = generate_responses(model, prompts, 24, 0.0, 8, sorted(eos_ids), pad_id)
     assert answers[0::2] == greedy
     assert answers[1::2] != greedy
+
+    # Two engines side by side, each in its own process: chunks of ceil(6 / 2), the second answered by the second
+    # engine, come back in order with the same answers (answer i is sampled with seed + i whichever engine answers).
+    chunks = list(generate_responses_vllm(str(target), [p for p in prompts for _ in range(2)], 24, temperatures,
+                                          seed=0, eos_ids=eos_ids, chunk_size=4, engines=2))
+    assert [len(chunk) for chunk in chunks] == [3, 3]
+    assert [answer for chunk in chunks for answer in chunk] == answers
 
 
 def test_resumed_training_keeps_the_heldout_curve(tmp_path, one_cpu_thread, capsys):
@@ -531,6 +538,9 @@ def test_extra_answer_rounds_append_after_the_answers_already_generated(tmp_path
     assert any(grown[i]["response"] != grown[i + 3]["response"] for i in range(3))  # new samples, not copies
     with pytest.raises(ValueError, match="extra_answer_rounds=1"):
         train(TrainConfig(**dict(cfg, temperature=0.0), extra_answer_rounds=1), prompt_ids=prompts)
+    for engines in (0, 2):  # 2 engines need the vLLM generator (this run's is transformers')
+        with pytest.raises(ValueError, match=f"gen_engines={engines} with generator='hf'"):
+            train(TrainConfig(**cfg, gen_engines=engines), prompt_ids=prompts)
 
 
 def test_the_device_copy_of_sharegpt_reads_back_as_the_same_prompts(tmp_path):

@@ -59,6 +59,10 @@ class TrainConfig:
     # vllm generator on CUDA: decode steps replay FULL CUDA graphs (no torch.compile), prompts in waves of
     # GRAPH_WAVE (`generate_responses_vllm`); off (the default, every run so far): eager
     gen_cuda_graphs: bool = False
+    # vllm generator: engines answering side by side, each in its own process with an equal share of the GPU
+    # memory; chunks go to whichever engine is free. One engine is bound by the host's work per request
+    # (~30k tok/s for SmolLM2 on the H200 with or without CUDA graphs, session 36), not by the GPU.
+    gen_engines: int = 1
     chat_template: bool = True
     steps: int = 2000
     batch_size: int = 16  # sequences per step
@@ -249,61 +253,194 @@ GRAPH_WAVE = 1024
 
 def generate_responses_vllm(
     target: str, prompts: list[list[int]], max_new_tokens: int, temperatures: list[float], seed: int,
-    eos_ids, chunk_size: int = 4096, deadline: float | None = None, cuda_graphs: bool = False,
+    eos_ids, chunk_size: int = 4096, deadline: float | None = None, cuda_graphs: bool = False, engines: int = 1,
 ):
     """Same as ``generate_responses`` with vLLM (much faster on a GPU), one temperature per prompt; yields the
-    responses chunk by chunk (so a run cut short keeps the chunks already written) and frees the engine at the end.
-    Past ``deadline`` (a `time.monotonic()` value) no further chunk is started. `cuda_graphs` (CUDA only): decode
-    steps from FULL CUDA graphs captured without torch.compile, in chunks of GRAPH_WAVE prompts (eager decoding
-    of SmolLM2 ran 20-29k tok/s on the H200 in sessions 19-24, with vLLM's default of 1024 requests a step)."""
-    import gc
-
-    from vllm import LLM, SamplingParams
-
-    from vllm_ddtree.compat import shutdown_llm
-
+    responses chunk by chunk, in order (so a run cut short keeps the chunks already written), and frees the
+    engines at the end. Past ``deadline`` (a `time.monotonic()` value) no further chunk is started.
+    `cuda_graphs` (CUDA only): decode steps from FULL CUDA graphs captured without torch.compile, in chunks of
+    GRAPH_WAVE prompts. `engines` > 1: that many engines, each in its own process, answer chunks side by side
+    (`_EngineCrew`). Answer i is sampled with seed ``seed + i`` whichever engine answers it."""
     if deadline is not None and time.monotonic() > deadline:  # not even the engine start fits
         print(f"time limit: no answer generated of {len(prompts)}", flush=True)
         return
-
+    began = time.monotonic()
     max_model_len = max(len(p) for p in prompts) + max_new_tokens
+    engine_args = _generator_engine_args(max_model_len, seed, cuda_graphs, memory_share=0.4 / engines)
+    if cuda_graphs and torch.cuda.is_available():
+        chunk_size = min(chunk_size, GRAPH_WAVE)
+    if engines > 1:  # chunks small enough that every engine gets work
+        chunk_size = max(1, min(chunk_size, -(-len(prompts) // engines)))
+    # One seed per answer (seed, seed + 1, ...): repeated prompts get different samples, reruns the same ones.
+    requests = [(p, t, seed + i if t > 0 else None) for i, (p, t) in enumerate(zip(prompts, temperatures))]
+    chunks = [requests[start : start + chunk_size] for start in range(0, len(requests), chunk_size)]
+    answered = 0
+    crew = _EngineCrew(target, engine_args, max_new_tokens, sorted(eos_ids)) if engines > 1 else None
+    llm = None if crew else _start_generator(target, engine_args)
+    try:
+        results = crew.answer(chunks, engines, deadline) if crew else _answer_in_turn(llm, chunks, max_new_tokens,
+                                                                                      sorted(eos_ids), deadline)
+        for responses, tokens, seconds in results:
+            answered += len(responses)
+            print(f"generated {answered}/{len(prompts)} answers, {tokens / seconds:.0f} tok/s "
+                  f"({time.monotonic() - began:.0f} s since the generator started)", flush=True)
+            yield responses
+        if answered < len(prompts):
+            print(f"time limit: generation stopped at {answered}/{len(prompts)} answers", flush=True)
+    finally:
+        if crew:
+            crew.close()
+        if llm is not None:
+            _stop_generator(llm)
+
+
+def _generator_engine_args(max_model_len: int, seed: int, cuda_graphs: bool, memory_share: float) -> dict:
     # Eager by default: on CPU compiled mode produced wrong SmolLM2 chat output (docs/drafter.md); on the H200 the
     # one-off torch.compile + CUDA-graph capture (~2 min at engine start) cost more than it saved for one pass.
     # `cuda_graphs` captures FULL decode graphs without torch.compile instead (CUDA only).
     on_cpu = not torch.cuda.is_available()
     if cuda_graphs and not on_cpu:
-        chunk_size = min(chunk_size, GRAPH_WAVE)
         engine = {"max_num_seqs": GRAPH_WAVE, "compilation_config": {
             "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": GRAPH_WAVE}}
     else:
         engine = {"enforce_eager": True}
-    llm = LLM(
-        target, gpu_memory_utilization=0.4, seed=seed, max_model_len=max_model_len, **engine,
-        dtype="float32" if on_cpu else "auto", skip_tokenizer_init=True,  # token ids in and out
-    )
-    # One seed per answer (seed, seed + 1, ...): repeated prompts get different samples, reruns the same ones.
-    params = [
-        SamplingParams(temperature=t, max_tokens=max_new_tokens, seed=seed + i if t > 0 else None,
-                       stop_token_ids=sorted(eos_ids), detokenize=False)
-        for i, t in enumerate(temperatures)
-    ]
-    for start in range(0, len(prompts), chunk_size):
-        if deadline is not None and time.monotonic() > deadline:
-            print(f"time limit: generation stopped at {start}/{len(prompts)} answers", flush=True)
-            break
-        began = time.perf_counter()
-        chunk = slice(start, start + chunk_size)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[chunk]], params[chunk], use_tqdm=False)
-        responses = [list(o.outputs[0].token_ids) for o in outs]
-        tokens = sum(len(r) for r in responses)
-        print(f"generated {start + len(responses)}/{len(prompts)} answers, {tokens / (time.perf_counter() - began):.0f}"
-              " tok/s", flush=True)
-        yield responses
+    return dict(gpu_memory_utilization=memory_share, seed=seed, max_model_len=max_model_len, **engine,
+                dtype="float32" if on_cpu else "auto", skip_tokenizer_init=True)  # token ids in and out
+
+
+def _start_generator(target: str, engine_args: dict):
+    from vllm import LLM
+
+    return LLM(target, **engine_args)
+
+
+def _stop_generator(llm) -> None:
+    import gc
+
+    from vllm_ddtree.compat import shutdown_llm
+
     shutdown_llm(llm)
     del llm
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _answer_chunk(llm, chunk: list[tuple], max_new_tokens: int, eos_ids: list[int]) -> tuple[list, int, float]:
+    """One chunk of (prompt ids, temperature, seed) requests: (answers, tokens generated, seconds)."""
+    from vllm import SamplingParams
+
+    began = time.perf_counter()
+    params = [SamplingParams(temperature=t, max_tokens=max_new_tokens, seed=s, stop_token_ids=eos_ids,
+                             detokenize=False) for _, t, s in chunk]
+    outs = llm.generate([{"prompt_token_ids": p} for p, _, _ in chunk], params, use_tqdm=False)
+    responses = [list(o.outputs[0].token_ids) for o in outs]
+    return responses, sum(len(r) for r in responses), time.perf_counter() - began
+
+
+def _answer_in_turn(llm, chunks: list[list[tuple]], max_new_tokens: int, eos_ids: list[int], deadline):
+    for chunk in chunks:
+        if deadline is not None and time.monotonic() > deadline:
+            return
+        yield _answer_chunk(llm, chunk, max_new_tokens, eos_ids)
+
+
+def _crew_member(target: str, engine_args: dict, max_new_tokens: int, eos_ids: list[int], member: int,
+                 tasks, results) -> None:
+    """A generator engine in its own process: says when it is ready, then answers (chunk index, chunk) tasks
+    until it gets None. An error goes back as text, so the parent raises instead of waiting forever."""
+    import traceback
+
+    try:
+        llm = _start_generator(target, engine_args)
+        results.put(("ready", member, None))
+        while (task := tasks.get()) is not None:
+            index, chunk = task
+            results.put(("answered", member, (index, _answer_chunk(llm, chunk, max_new_tokens, eos_ids))))
+        _stop_generator(llm)
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results.put(("failed", member, traceback.format_exc()))
+
+
+class _EngineCrew:
+    """Generator engines in processes of their own, started one after the other: vLLM sizes its KV cache from the
+    free GPU memory it measures at start, which another engine starting beside it would disturb. Chunks are handed
+    to whichever engine is free and come back in order."""
+
+    def __init__(self, target: str, engine_args: dict, max_new_tokens: int, eos_ids: list[int]):
+        import multiprocessing
+
+        self.context = multiprocessing.get_context("spawn")  # a CUDA parent cannot fork
+        self.member_args = (target, engine_args, max_new_tokens, eos_ids)
+        self.results = self.context.Queue()
+        self.members: list[tuple] = []  # (process, task queue)
+
+    def _start(self) -> None:
+        tasks = self.context.Queue()
+        process = self.context.Process(target=_crew_member, args=(*self.member_args, len(self.members), tasks,
+                                                                  self.results))  # fmt: skip
+        process.start()  # not a daemon: its vLLM engine starts a process of its own
+        self.members.append((process, tasks))
+
+    def _next_message(self) -> tuple:
+        import queue
+
+        while True:
+            try:
+                return self.results.get(timeout=10)
+            except queue.Empty:
+                dead = [i for i, (process, _) in enumerate(self.members) if process.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"generator engine {dead[0] + 1} exited with code "
+                                       f"{self.members[dead[0]][0].exitcode} before answering")
+
+    def answer(self, chunks: list[list[tuple]], engines: int, deadline):
+        """Yields (answers, tokens, seconds) chunk by chunk, in order. Chunk m < engines is engine m's first; the
+        others go to whichever engine is free. Past `deadline` no chunk is handed out and no engine started; the
+        chunks already handed out are waited for, and those after a chunk never handed out are dropped."""
+        engines = min(engines, len(chunks))
+        firsts = set(range(engines))  # first chunks not yet handed out
+        shared = engines  # the next chunk for whichever engine is free
+        pending, done, next_out = set(), {}, 0  # handed out, not answered; answered, by index; the next to yield
+        self._start()
+        while pending or ((firsts or shared < len(chunks)) and not _past(deadline)):
+            kind, member, payload = self._next_message()
+            if kind == "failed":
+                raise RuntimeError(f"generator engine {member + 1} failed:\n{payload}")
+            index = None  # the chunk this engine gets next
+            if kind == "ready":
+                print(f"generator engine {member + 1} of {engines} ready", flush=True)
+                if len(self.members) < engines and not _past(deadline):
+                    self._start()
+                index = member if member in firsts else None
+            else:
+                answered, result = payload
+                pending.discard(answered)
+                done[answered] = result
+            if not _past(deadline):
+                if index is None and shared < len(chunks):
+                    index, shared = shared, shared + 1
+                if index is not None:
+                    firsts.discard(index)
+                    pending.add(index)
+                    self.members[member][1].put((index, chunks[index]))
+            while next_out in done:
+                yield done.pop(next_out)
+                next_out += 1
+
+    def close(self) -> None:
+        for process, tasks in self.members:
+            if process.is_alive():
+                tasks.put(None)
+        for process, _ in self.members:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=10)
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() > deadline
 
 
 def _cut_after_eos(row: list[int], eos_ids: set[int]) -> list[int]:
@@ -453,7 +590,8 @@ def _load_or_generate(cfg: TrainConfig, target, tokenizer, prompts, prompt_ids, 
     if todo:
         if cfg.generator == "vllm":
             chunks = generate_responses_vllm(cfg.target, todo, cfg.max_new_tokens, temperatures[done:], cfg.seed + done,
-                                             eos_ids, deadline=deadline, cuda_graphs=cfg.gen_cuda_graphs)
+                                             eos_ids, deadline=deadline, cuda_graphs=cfg.gen_cuda_graphs,
+                                             engines=cfg.gen_engines)
         else:
             if len(set(temperatures[done:])) > 1:
                 raise ValueError("greedy_first with the 'hf' generator is not supported; use generator='vllm'")
@@ -522,6 +660,9 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
     if cfg.extra_answer_rounds < 0 or (cfg.extra_answer_rounds and cfg.temperature <= 0):
         raise ValueError(f"extra_answer_rounds={cfg.extra_answer_rounds} needs to be 0, or > 0 with temperature > 0 "
                          f"(got temperature={cfg.temperature}): greedy answers to one prompt are all the same")
+    if cfg.gen_engines < 1 or (cfg.gen_engines > 1 and cfg.generator != "vllm"):
+        raise ValueError(f"gen_engines={cfg.gen_engines} with generator={cfg.generator!r}: it needs to be 1, or > 1 "
+                         "with generator='vllm' (engines side by side are vLLM engines)")
     if cfg.responses_per_prompt < 1 or (cfg.responses_per_prompt > 1 and cfg.temperature <= 0):
         raise ValueError(
             f"responses_per_prompt={cfg.responses_per_prompt} needs to be 1, or > 1 with temperature > 0 "
