@@ -274,16 +274,16 @@ def generate_responses_vllm(
     # One seed per answer (seed, seed + 1, ...): repeated prompts get different samples, reruns the same ones.
     requests = [(p, t, seed + i if t > 0 else None) for i, (p, t) in enumerate(zip(prompts, temperatures))]
     chunks = [requests[start : start + chunk_size] for start in range(0, len(requests), chunk_size)]
-    answered = 0
-    crew = _EngineCrew(target, engine_args, max_new_tokens, sorted(eos_ids)) if engines > 1 else None
+    answered, generated, eos = 0, 0, sorted(eos_ids)
+    crew = _EngineCrew(target, engine_args, max_new_tokens, eos) if engines > 1 else None
     llm = None if crew else _start_generator(target, engine_args)
     try:
         results = crew.answer(chunks, engines, deadline) if crew else _answer_in_turn(llm, chunks, max_new_tokens,
-                                                                                      sorted(eos_ids), deadline)
+                                                                                      eos, deadline)
         for responses, tokens, seconds in results:
-            answered += len(responses)
-            print(f"generated {answered}/{len(prompts)} answers, {tokens / seconds:.0f} tok/s "
-                  f"({time.monotonic() - began:.0f} s since the generator started)", flush=True)
+            answered, generated, elapsed = answered + len(responses), generated + tokens, time.monotonic() - began
+            print(f"generated {answered}/{len(prompts)} answers, {tokens / seconds:.0f} tok/s (this chunk's engine), "
+                  f"{generated / elapsed:.0f} tok/s in the {elapsed:.0f} s since the generator started", flush=True)
             yield responses
         if answered < len(prompts):
             print(f"time limit: generation stopped at {answered}/{len(prompts)} answers", flush=True)
