@@ -601,3 +601,14 @@ def test_generation_past_the_time_limit_stops_with_the_answers_kept_and_the_reru
     with pytest.raises(AnswersIncomplete, match=r"time limit \(5 s\).*1 of 3 answers.*again"):
         _load_or_generate(cfg, None, None, None, prompts, [], 0, {2}, deadline=time.monotonic() - 1)
     assert (tmp_path / "responses.jsonl").read_text() == banked
+
+
+def test_vllm_generator_engine_that_fails_to_start_raises_its_error(tmp_path):
+    """A generator engine in a process of its own that cannot start (here: no model at the path) sends its error
+    back: the parent raises it, naming the engine, instead of waiting for answers that never come."""
+    from vllm_ddtree.drafter.train import generate_responses_vllm
+
+    missing = tmp_path / "no-model"
+    with pytest.raises(RuntimeError, match=r"generator engine 1 failed:(.|\n)*no-model"):
+        list(generate_responses_vllm(str(missing), [[5, 6, 7], [8, 9, 10]], 4, [0.0, 0.0], seed=0, eos_ids={2},
+                                     engines=2))
