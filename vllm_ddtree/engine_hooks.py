@@ -103,3 +103,25 @@ def install_config_hook() -> None:
 
     create_speculative_config._ddtree_hook = True
     EngineArgs.create_speculative_config = create_speculative_config
+
+
+def install_refusal_hook(reason: str) -> None:
+    """On a vLLM DDTree cannot run on (`compat.unsupported_release`): leave vLLM as it is for every other config,
+    and refuse `{"method": "ddtree"}` (or `--spec-method ddtree`) with `reason`, which names the supported releases,
+    instead of vLLM's list of its own methods. Idempotent."""
+    from vllm_ddtree.compat import LOGGER_NAME, EngineArgs, accept_spec_method_in_cli, init_logger
+
+    init_logger(LOGGER_NAME).warning_once("%s vLLM runs as without the plugin.", reason)
+    accept_spec_method_in_cli(ddtree_config.METHOD)
+    original = EngineArgs.create_speculative_config
+    if getattr(original, "_ddtree_hook", False):
+        return
+
+    @functools.wraps(original)
+    def create_speculative_config(self, target_model_config, target_parallel_config):
+        if is_ddtree_request(self):
+            raise ValueError(reason)
+        return original(self, target_model_config, target_parallel_config)
+
+    create_speculative_config._ddtree_hook = True
+    EngineArgs.create_speculative_config = create_speculative_config
