@@ -49,20 +49,12 @@ def take_spec_flags(engine_args) -> None:
     engine_args.speculative_config = spec
 
 
-def install_config_hook() -> None:
-    from vllm_ddtree.compat import (
-        LOGGER_NAME,
-        EngineArgs,
-        accept_spec_method_in_cli,
-        choose_model_runner,
-        init_logger,
-        reserve_drafter_slots_for_tree_depth,
-        reserve_kv_lookahead_for_tree_depth,
-    )
+def route_ddtree_requests(handle) -> None:
+    """Wrap `EngineArgs.create_speculative_config`: configs asking for DDTree (`is_ddtree_request`) go to
+    `handle(original, engine_args, target_model_config, target_parallel_config)`, every other one to vLLM's
+    `original`; and let `--spec-method` take "ddtree". Idempotent."""
+    from vllm_ddtree.compat import EngineArgs, accept_spec_method_in_cli
 
-    choose_model_runner(is_ddtree, init_logger(LOGGER_NAME))
-    reserve_drafter_slots_for_tree_depth(tree_depth)
-    reserve_kv_lookahead_for_tree_depth(tree_depth)
     accept_spec_method_in_cli(ddtree_config.METHOD)
     original = EngineArgs.create_speculative_config
     if getattr(original, "_ddtree_hook", False):
@@ -72,56 +64,70 @@ def install_config_hook() -> None:
     def create_speculative_config(self, target_model_config, target_parallel_config):
         if not is_ddtree_request(self):
             return original(self, target_model_config, target_parallel_config)
-        given = (self.speculative_config, {attribute: getattr(self, attribute, None) for *_, attribute in SPEC_FLAGS})
-        try:
-            take_spec_flags(self)
-            return ddtree_speculative_config(self, target_model_config, target_parallel_config)
-        finally:  # the arguments as given: a second call gives the same config
-            self.speculative_config = given[0]
-            for attribute, value in given[1].items():
-                setattr(self, attribute, value)
-
-    def ddtree_speculative_config(engine_args, target_model_config, target_parallel_config):
-        spec = {k.replace("-", "_"): v for k, v in engine_args.speculative_config.items()}
-        dflash_spec, ddtree = ddtree_config.split_ddtree_config(spec)
-        pipeline_stages = getattr(target_parallel_config, "pipeline_parallel_size", 1)
-        if pipeline_stages > 1:
-            raise ValueError(
-                f"speculative method 'ddtree' does not support pipeline parallelism yet (pipeline_parallel_size="
-                f"{pipeline_stages}): the tree layout lives on the last stage. Use tensor parallelism "
-                "(tensor_parallel_size) or method 'dflash'."
-            )
-        if getattr(target_model_config, "uses_mrope", False):  # both runners: tree positions are 1-D
-            raise ValueError("speculative method 'ddtree' does not support M-RoPE target models yet; use method "
-                             "'dflash'.")  # fmt: skip
-        engine_args.speculative_config = dflash_spec
-        spec_config = original(engine_args, target_model_config, target_parallel_config)
-        draft = spec_config.draft_model_config
-        depth = ddtree_config.validate_models(ddtree, target_model_config.hf_config, draft.hf_config, draft.model)
-        setattr(spec_config, ddtree_config.ATTRIBUTE, {**ddtree.to_dict(), "depth": depth})
-        return spec_config
+        return handle(original, self, target_model_config, target_parallel_config)
 
     create_speculative_config._ddtree_hook = True
     EngineArgs.create_speculative_config = create_speculative_config
+
+
+def install_config_hook() -> None:
+    from vllm_ddtree.compat import (
+        LOGGER_NAME,
+        choose_model_runner,
+        init_logger,
+        reserve_drafter_slots_for_tree_depth,
+        reserve_kv_lookahead_for_tree_depth,
+    )
+
+    choose_model_runner(is_ddtree, init_logger(LOGGER_NAME))
+    reserve_drafter_slots_for_tree_depth(tree_depth)
+    reserve_kv_lookahead_for_tree_depth(tree_depth)
+    route_ddtree_requests(ddtree_request_config)
+
+
+def ddtree_request_config(original, engine_args, target_model_config, target_parallel_config):
+    """vLLM's DFlash config for a DDTree request, carrying the DDTree settings; the engine arguments as given."""
+    flags = {attribute: getattr(engine_args, attribute, None) for *_, attribute in SPEC_FLAGS}
+    given = engine_args.speculative_config
+    try:
+        take_spec_flags(engine_args)
+        return ddtree_speculative_config(original, engine_args, target_model_config, target_parallel_config)
+    finally:  # the arguments as given: a second call gives the same config
+        engine_args.speculative_config = given
+        for attribute, value in flags.items():
+            setattr(engine_args, attribute, value)
+
+
+def ddtree_speculative_config(original, engine_args, target_model_config, target_parallel_config):
+    spec = {k.replace("-", "_"): v for k, v in engine_args.speculative_config.items()}
+    dflash_spec, ddtree = ddtree_config.split_ddtree_config(spec)
+    pipeline_stages = getattr(target_parallel_config, "pipeline_parallel_size", 1)
+    if pipeline_stages > 1:
+        raise ValueError(
+            f"speculative method 'ddtree' does not support pipeline parallelism yet (pipeline_parallel_size="
+            f"{pipeline_stages}): the tree layout lives on the last stage. Use tensor parallelism "
+            "(tensor_parallel_size) or method 'dflash'."
+        )
+    if getattr(target_model_config, "uses_mrope", False):  # both runners: tree positions are 1-D
+        raise ValueError("speculative method 'ddtree' does not support M-RoPE target models yet; use method "
+                         "'dflash'.")  # fmt: skip
+    engine_args.speculative_config = dflash_spec
+    spec_config = original(engine_args, target_model_config, target_parallel_config)
+    draft = spec_config.draft_model_config
+    depth = ddtree_config.validate_models(ddtree, target_model_config.hf_config, draft.hf_config, draft.model)
+    setattr(spec_config, ddtree_config.ATTRIBUTE, {**ddtree.to_dict(), "depth": depth})
+    return spec_config
 
 
 def install_refusal_hook(reason: str) -> None:
     """On a vLLM DDTree cannot run on (`compat.unsupported_release`): leave vLLM as it is for every other config,
     and refuse `{"method": "ddtree"}` (or `--spec-method ddtree`) with `reason`, which names the supported releases,
     instead of vLLM's list of its own methods. Idempotent."""
-    from vllm_ddtree.compat import LOGGER_NAME, EngineArgs, accept_spec_method_in_cli, init_logger
+    from vllm_ddtree.compat import LOGGER_NAME, init_logger
 
     init_logger(LOGGER_NAME).warning_once("%s vLLM runs as without the plugin.", reason)
-    accept_spec_method_in_cli(ddtree_config.METHOD)
-    original = EngineArgs.create_speculative_config
-    if getattr(original, "_ddtree_hook", False):
-        return
 
-    @functools.wraps(original)
-    def create_speculative_config(self, target_model_config, target_parallel_config):
-        if is_ddtree_request(self):
-            raise ValueError(reason)
-        return original(self, target_model_config, target_parallel_config)
+    def refuse(*_):
+        raise ValueError(reason)
 
-    create_speculative_config._ddtree_hook = True
-    EngineArgs.create_speculative_config = create_speculative_config
+    route_ddtree_requests(refuse)
