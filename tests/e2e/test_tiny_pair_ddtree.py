@@ -158,3 +158,24 @@ def test_one_token_per_depth_verifies_the_chains_own_drafts(prompts, baseline):
                  "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos"):
         assert tree.metrics[name] == chain.metrics[name], name
     assert tree.acceptance_length > 3.0, tree.metrics
+
+
+def test_preempted_requests_keep_greedy_output(prompts):
+    """A KV cache of ~384 tokens for twelve requests that each grow to ~220: vLLM preempts running requests (frees
+    their KV and recomputes them later) again and again, also between a tree's verification and the next draft.
+    DDTree's per-request state (the drafter's context rows, the accepted path's KV, remembered trees) must follow,
+    and the output stays token-identical to vLLM without speculation and without preemption."""
+    from tests.e2e.engine import generate
+
+    params = greedy(200, ignore_eos=True)  # past EOS: longer answers, that still need drafts and accept some
+    engine = dict(ENGINE, max_model_len=256)
+    plain = run(TARGET, None, prompts, params, **engine)
+    llm = make_llm(TARGET, ddtree(2 * BLOCK_SIZE + 1), **dict(engine, kv_cache_memory_bytes=600_000))
+    try:
+        tree = generate(llm, prompts, params)
+        preemptions = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}["vllm:num_preemptions"]
+    finally:
+        close(llm)
+    assert preemptions > 10, "the small KV cache should have preempted requests"
+    assert tree.token_ids == plain.token_ids
+    assert tree.acceptance_length > 1.2, tree.metrics
