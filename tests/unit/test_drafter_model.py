@@ -198,6 +198,38 @@ def test_heldout_split_is_fixed_and_disjoint():
     assert not {p.id for p in heldout} & {p.id for p in data.train_prompts(("humaneval",))}
 
 
+def test_check_prompts_come_from_the_split_asked_for():
+    """`check_prompt_ids`: "heldout" gives held-out records, "train" the first prompts of each source among those the
+    training runs answered (`data.train_prompts`, 16,000, seed 0), in source order, as many as asked."""
+    from vllm_ddtree.drafter import data
+    from vllm_ddtree.drafter.train import TRAINED_PROMPTS, check_prompt_ids
+
+    class CodePoints:  # a tokenizer without a chat template: ids are the text's code points
+        chat_template = None
+
+        def __call__(self, text):
+            return {"input_ids": [ord(c) for c in text]}
+
+    def text(ids):
+        return "".join(map(chr, ids))
+
+    per_source = {"mtbench": 3, "humaneval": 2}
+    try:
+        trained = data.train_prompts(data.SOURCES, limit=TRAINED_PROMPTS, seed=0)
+        heldout = {(p.source, p.text) for source in per_source for p in data.heldout_prompts(source)}
+    except ValueError as e:  # a data package is not installed here
+        pytest.skip(str(e))
+    train_ids = check_prompt_ids(CodePoints(), per_source, 10**6, "train")
+    expected = [p.text for source, n in per_source.items() for p in [q for q in trained if q.source == source][:n]]
+    sources = [source for source, n in per_source.items() for _ in range(n)]
+    assert [text(ids) for ids in train_ids] == expected
+    assert not set(zip(sources, expected)) & heldout
+    heldout_ids = check_prompt_ids(CodePoints(), per_source, 10**6)
+    assert all((source, text(ids)) in heldout for source, ids in zip(sources, heldout_ids))
+    with pytest.raises(ValueError, match="split='all'"):
+        check_prompt_ids(CodePoints(), per_source, 10**6, "all")
+
+
 def test_later_turns_are_the_training_records_later_user_turns():
     """`later_turn_prompts`: each later user turn of a training record, once, as its own prompt; nothing from a
     held-out record; the order fixed by the seed; a text seen before left out."""
@@ -411,6 +443,28 @@ def test_a_time_limit_ends_training_early_with_a_drafter_and_a_report(tmp_path, 
     assert [p["step"] for p in report["heldout_curve"]] == [1] and report["final_loss"] is not None
     assert "simulated_acceptance_length" in report
     assert DFlashDrafter.load(drafter, torch.device("cpu")).config.block_size == 4
+
+
+def test_a_run_stopped_by_its_time_limit_resumes_from_that_step(tmp_path, one_cpu_thread):
+    """The time limit saves a checkpoint where it stops (between the regular saves), so the next device call's
+    `--resume` goes on from that step and ends with the uninterrupted run's weights."""
+    from safetensors.torch import load_file
+
+    from tests.tiny_models import make_tiny_target
+    from vllm_ddtree.drafter.train import TrainConfig, train
+
+    target = make_tiny_target(tmp_path / "target")
+    cfg = dict(target=str(target), block_size=4, num_layers=1, max_new_tokens=8, steps=4, batch_size=2,
+               anchors_per_seq=2, warmup_steps=1, eval_every=1, save_every=3, device="cpu", save_dtype="float32")
+    prompts, eval_prompts = [[5, 40, 90], [6, 41, 91]], [[7, 8, 9]]
+    whole = train(TrainConfig(**cfg, out=str(tmp_path / "whole")), prompt_ids=prompts, eval_prompt_ids=eval_prompts)
+    run = tmp_path / "run"
+    train(TrainConfig(**cfg, out=str(run), time_limit_s=0.0), prompt_ids=prompts, eval_prompt_ids=eval_prompts)
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-1"]  # the regular saves come at step 3
+    resumed = train(TrainConfig(**cfg, out=str(run), resume=True), prompt_ids=prompts, eval_prompt_ids=eval_prompts)
+    expected, got = load_file(str(whole / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+    assert json.loads((run / "report.json").read_text())["steps"] == 4
 
 
 def test_feature_store_rows_are_the_per_batch_outputs(tmp_path, one_cpu_thread):

@@ -202,16 +202,26 @@ def encode_prompts(tokenizer, prompts, chat_template: bool, max_prompt_len: int)
 
 # The held-out prompts of the CPU drafter checks (scripts/compare_drafters.py, scripts/simulate_tree_acceptance.py).
 CHECK_PROMPTS_PER_SOURCE = {"sharegpt": 8, "mtbench": 4, "humaneval": 4}
+# The training runs' first-turn prompts (`--num-prompts` in scripts/gpu_train.sh).
+TRAINED_PROMPTS = 16000
 
 
-def heldout_prompt_ids(tokenizer, per_source: dict[str, int], max_prompt_len: int) -> list[list[int]]:
-    """The first ``per_source[source]`` held-out prompts of each source that fit ``max_prompt_len``, chat-templated
-    and encoded as training encodes its prompts, source after source. ValueError if a source's package is missing."""
-    from vllm_ddtree.drafter.data import heldout_prompts
+def check_prompt_ids(tokenizer, per_source: dict[str, int], max_prompt_len: int, split: str = "heldout"
+                     ) -> list[list[int]]:  # fmt: skip
+    """The first ``per_source[source]`` prompts of each source that fit ``max_prompt_len``, chat-templated and
+    encoded as training encodes its prompts, source after source. ``split`` "heldout": held-out records (file
+    order); "train": the first of the training runs' prompts (`data.train_prompts` in the order and number
+    `scripts/gpu_train.sh` uses, 16,000 with seed 0), whose answers the shipped drafter was trained on. ValueError
+    if a source's package is missing."""
+    from vllm_ddtree.drafter.data import SOURCES, heldout_prompts, train_prompts
 
+    if split not in ("heldout", "train"):
+        raise ValueError(f"split={split!r}; expected 'heldout' or 'train'")
+    trained = train_prompts(SOURCES, limit=TRAINED_PROMPTS, seed=0) if split == "train" else []
     ids = []
     for source, count in per_source.items():
-        ids += encode_prompts(tokenizer, heldout_prompts(source), True, max_prompt_len)[:count]
+        records = heldout_prompts(source) if split == "heldout" else [p for p in trained if p.source == source]
+        ids += encode_prompts(tokenizer, records, True, max_prompt_len)[:count]
     return ids
 
 
@@ -788,6 +798,8 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
             heldout_point(done, loss)
         if out_of_time:
             bar.write(f"time limit {cfg.time_limit_s:.0f} s reached at step {done} of {cfg.steps}: saving")
+            if cfg.save_every:  # a resumed run (the next device call) goes on from this step, not the last save
+                _save_checkpoint(out, done, drafter, optimizer, scheduler, rng, curve)
             break
         if cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps:
             _save_checkpoint(out, done, drafter, optimizer, scheduler, rng, curve)
