@@ -90,16 +90,19 @@ def main() -> None:
         torch.manual_seed(args.seed)
         answers = generate_responses(target, prompts, args.max_new_tokens, answer_temperature, len(prompts), eos_ids,
                                      pad_id)  # fmt: skip
-        seqs = [Sequence(p, a) for p, a in zip(prompts, answers)]
-        by_source, start = {}, 0  # check_prompt_ids gives the sources' prompts one source after another
-        for source, count in per_source.items():
-            by_source[source] = simulate_draft_counts(drafter, target, seqs[start : start + count], policies)
-            start += count
-        totals = {n: tuple(map(sum, zip(*(counts[n] for counts in by_source.values())))) for n in policies}
+        # (drafts, accepted) per prompt and policy; check_prompt_ids gives the sources' prompts one after another
+        per_prompt = [simulate_draft_counts(drafter, target, [Sequence(prompt, answer)], policies)
+                      for prompt, answer in zip(prompts, answers)]  # fmt: skip
+        sources = [source for source, count in per_source.items() for _ in range(count)]
+        by_source = {source: summed([c for c, s in zip(per_prompt, sources) if s == source], policies)
+                     for source in per_source}  # fmt: skip
+        totals = summed(per_prompt, policies)
         results[f"{answer_temperature:g}"] = {
             "answer_tokens": sum(map(len, answers)),
             "acceptance_length": {n: acceptance_length(*totals[n]) for n in policies},
+            "acceptance_95ci": {n: bootstrap_interval([c[n] for c in per_prompt]) for n in policies},
             "by_source": {source: {n: acceptance_length(*c[n]) for n in policies} for source, c in by_source.items()},
+            "per_prompt": {n: [list(c[n]) for c in per_prompt] for n in policies},
         }
     seconds = time.perf_counter() - started
 
@@ -116,6 +119,9 @@ def main() -> None:
             value = lengths[name(budget, temperature, slope)]
             cells.append(f"{value:.3f} | {value / lengths['chain']:.3f}")
         print(f"| DDTree B = {budget} | {temperature:g} | {slope:g} | " + " | ".join(cells) + " |")
+    print("\nchain acceptance, 95% bootstrap interval over prompts: " + ", ".join(
+        f"T = {c}: {results[c]['acceptance_95ci']['chain'][0]:.3f}-{results[c]['acceptance_95ci']['chain'][1]:.3f}"
+        for c in columns))
     print("\nanswer tokens: " + ", ".join(f"T = {c}: {results[c]['answer_tokens']}" for c in columns))
     print("\nBy prompt source (acceptance length):\n\n| answers | draft | "
           + " | ".join(per_source) + " |\n| --- | --- |" + " ---: |" * len(per_source))
@@ -126,6 +132,22 @@ def main() -> None:
     Path(args.out).write_text(json.dumps({"setup": {**vars(args), "target": target_dir, "drafter": str(drafter_dir),
                                                     "prompts": len(prompts), "seconds": round(seconds, 1)},
                                           "by_answer_temperature": results}, indent=1) + "\n")  # fmt: skip
+
+
+def summed(counts: list[dict[str, tuple[int, int]]], policies) -> dict[str, tuple[int, int]]:
+    """(drafts, accepted) per policy, added up over prompts."""
+    return {n: tuple(map(sum, zip(*(c[n] for c in counts)))) if counts else (0, 0) for n in policies}
+
+
+def bootstrap_interval(counts: list[tuple[int, int]], rounds: int = 2000, seed: int = 0) -> list[float]:
+    """95% percentile interval of the acceptance length 1 + sum(accepted) / sum(drafts) with prompts resampled."""
+    import random
+
+    from vllm_ddtree.drafter.simulate import acceptance_length
+
+    rng = random.Random(seed)
+    lengths = sorted(acceptance_length(*map(sum, zip(*rng.choices(counts, k=len(counts))))) for _ in range(rounds))
+    return [round(lengths[int(0.025 * rounds)], 4), round(lengths[int(0.975 * rounds) - 1], 4)]
 
 
 def parse_per_source(parser, items: list[str] | None) -> dict[str, int] | None:

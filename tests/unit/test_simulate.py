@@ -86,3 +86,20 @@ def test_replaying_sampled_answers_gives_the_expected_acceptance_at_temperature(
             mean = sum(draws) / samples
             spread = (sum((d - mean) ** 2 for d in draws) / samples) ** 0.5 / samples**0.5
             assert abs(mean - exact) <= 4 * spread + 1e-9, (temperature, budget, mean, exact, spread)
+
+
+def test_the_simulation_scripts_interval_resamples_prompts():
+    """simulate_tree_acceptance.py's bootstrap interval: degenerate when every prompt accepts alike, around the
+    pooled acceptance length otherwise, and wider for fewer prompts; per-prompt counts add up to the totals."""
+    from tests.unit.test_benchmark_script import load_script
+
+    script = load_script("simulate_tree_acceptance.py")
+    assert script.bootstrap_interval([(10, 15)] * 8) == [2.5, 2.5]
+    varied = [(10, 5), (10, 25), (20, 30), (5, 10)] * 4  # pooled: 1 + 70 / 45
+    low, high = script.bootstrap_interval(varied)
+    assert low < 1 + 70 / 45 < high
+    few_low, few_high = script.bootstrap_interval(varied[:4])
+    assert few_high - few_low > high - low
+    counts = [{"chain": (10, 5), "B16": (8, 9)}, {"chain": (4, 1), "B16": (3, 2)}]
+    assert script.summed(counts, ["chain", "B16"]) == {"chain": (14, 6), "B16": (11, 11)}
+    assert script.summed([], ["chain"]) == {"chain": (0, 0)}
