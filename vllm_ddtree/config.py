@@ -230,6 +230,7 @@ def validate_models(ddtree: DDTreeConfig, target_hf_config: Any, drafter_hf_conf
             f"The drafter at {drafter_path!r} has vocab_size {drafter_hf_config.vocab_size}, but the target's is "
             f"{target_vocab}. DDTree needs a drafter over the target's vocabulary."
         )
+    _check_dflash_ids(dflash_config, getattr(target_text, "num_hidden_layers", None), target_vocab, drafter_path)
     depth = ddtree.depth_for(block_size)
     from vllm_ddtree.tree import max_tree_nodes
 
@@ -241,3 +242,24 @@ def validate_models(ddtree: DDTreeConfig, target_hf_config: Any, drafter_hf_conf
             "max_depth."
         )
     return depth
+
+
+def _check_dflash_ids(dflash_config: dict, num_target_layers: int | None, vocab_size: int, drafter_path: str) -> None:
+    """The drafter's mask token and the target layers it reads exist in the target (vLLM itself fails later, at
+    engine start, with an index error or a feature-size mismatch that names neither)."""
+    mask = dflash_config.get("mask_token_id")
+    if mask is not None and (isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < vocab_size):
+        raise ValueError(
+            f"The drafter at {drafter_path!r} has dflash_config.mask_token_id={mask!r}, outside the vocabulary "
+            f"(0..{vocab_size - 1}). Use the mask token id the drafter was trained with."
+        )
+    layers = dflash_config.get("target_layer_ids")
+    if layers is None or num_target_layers is None:
+        return
+    missing = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_target_layers]
+    if missing or not layers:
+        raise ValueError(
+            f"The drafter at {drafter_path!r} reads target layers {layers} (dflash_config.target_layer_ids), but the "
+            f"target has {num_target_layers} decoder layers (ids 0..{num_target_layers - 1}); "
+            f"{missing or 'an empty list'} do not exist. Use a drafter trained for this target."
+        )

@@ -81,3 +81,16 @@ def test_budget_per_batch_size_above_the_budget(target, tmp_path):
     spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": 4,
             "num_speculative_tokens_per_batch_size": [[1, 2, 4], [3, 64, 8]]}  # fmt: skip
     expect_error(target, spec, ValueError, r"entry \[3, 64, 8\] asks for 8 nodes")
+
+
+@pytest.mark.parametrize("layers", [[0, 9], [-1, 1], []])
+def test_drafter_reading_target_layers_that_do_not_exist(target, tmp_path, layers):
+    drafter = drafter_with(tmp_path, lambda c: c["dflash_config"].update(target_layer_ids=layers))
+    spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": 4}
+    expect_error(target, spec, ValueError, r"reads target layers .* but the target has 2 decoder layers \(ids 0\.\.1\)")
+
+
+def test_drafter_mask_token_outside_the_vocabulary(target, tmp_path):
+    drafter = drafter_with(tmp_path, lambda c: c["dflash_config"].update(mask_token_id=512))
+    spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": 4}
+    expect_error(target, spec, ValueError, r"mask_token_id=512, outside the vocabulary \(0\.\.511\)")
