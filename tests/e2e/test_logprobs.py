@@ -3,7 +3,7 @@ produced it (raw logprobs by default, vLLM's `logprobs_mode`).
 
 Greedy: the returned logprobs (token, top-k, ranks) equal plain vLLM's within 1e-4. Sampled: every returned logprob
 is the target's at that token's context, recomputed with transformers (raw, or processed = temperature applied,
-with `logprobs_mode="processed_logprobs"`).
+with `logprobs_mode="processed_logprobs"`). `prompt_logprobs` (from the prefill) equal plain vLLM's.
 """
 
 from __future__ import annotations
@@ -62,16 +62,17 @@ def sampled_params(temperature: float) -> list:
 
 
 @pytest.fixture(scope="module")
-def plain_greedy(models):
+def plain(models):
+    """Plain vLLM's greedy outputs and prompt logprobs (one engine, before DDTree's: one engine at a time)."""
     engine = Engine(models[0], None)
     try:
-        return generate(engine.llm, greedy_params())
+        return generate(engine.llm, greedy_params()), prompt_logprobs(engine.llm)
     finally:
         engine.close()
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda case: f"B{case[0]}-{case[1]}")
-def ddtree(request, models, plain_greedy):
+def ddtree(request, models, plain):
     budget, mode = request.param
     spec = {"method": "ddtree", "model": models[1], "num_speculative_tokens": budget}
     engine = Engine(models[0], spec, logprobs_mode=mode)
@@ -79,9 +80,9 @@ def ddtree(request, models, plain_greedy):
     engine.close()
 
 
-def test_greedy_logprobs_equal_plain_vllm(ddtree, plain_greedy):
+def test_greedy_logprobs_equal_plain_vllm(ddtree, plain):
     _, engine = ddtree
-    for i, (ours, theirs) in enumerate(zip(generate(engine.llm, greedy_params()), plain_greedy)):
+    for i, (ours, theirs) in enumerate(zip(generate(engine.llm, greedy_params()), plain[0])):
         assert list(ours.token_ids) == list(theirs.token_ids), f"prompt {i}"
         assert len(ours.logprobs) == len(theirs.logprobs) == MAX_TOKENS
         for j, (a, b) in enumerate(zip(ours.logprobs, theirs.logprobs)):
@@ -90,6 +91,27 @@ def test_greedy_logprobs_equal_plain_vllm(ddtree, plain_greedy):
             for token, lp in a.items():
                 assert abs(lp.logprob - b[token].logprob) < TOL, (i, j, token, lp, b[token])
                 assert lp.rank == b[token].rank, (i, j, token, lp, b[token])
+
+
+def prompt_logprobs(llm) -> list:
+    """Every prompt's `prompt_logprobs` (2 per position) as (token, logprob, rank) lists; greedy, 4 new tokens."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2, detokenize=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+    return [[None if d is None else sorted((t, lp.logprob, lp.rank) for t, lp in d.items()) for d in o.prompt_logprobs]
+            for o in outputs]  # fmt: skip
+
+
+def test_prompt_logprobs_equal_plain_vllm(ddtree, plain):
+    """`prompt_logprobs` come from the prefill, before any tree: the same as plain vLLM's."""
+    _, engine = ddtree
+    for i, (ours, theirs) in enumerate(zip(prompt_logprobs(engine.llm), plain[1])):
+        assert len(ours) == len(theirs) == len(PROMPTS[i]) and ours[0] is None, i
+        for j, (a, b) in enumerate(zip(ours[1:], theirs[1:]), start=1):
+            assert [(t, r) for t, _, r in a] == [(t, r) for t, _, r in b], (i, j)
+            assert all(abs(x[1] - y[1]) < TOL for x, y in zip(a, b)), (i, j, a, b)
 
 
 def target_logprobs(target: str, prompt: list[int], tokens: list[int], temperature: float) -> np.ndarray:
