@@ -206,3 +206,17 @@ def test_chunked_prefill_and_prefix_cache_keep_greedy_output():
     assert hits > 0
     assert [r.token_ids for r in rounds] == [plain.token_ids] * 2
     assert rounds[0].acceptance_length > 1.0, rounds[0].metrics
+
+
+@pytest.mark.parametrize("max_depth,budget,max_topk", [(1, 5, None), (3, 20, None), (5, 40, 3)])
+def test_max_depth_caps_the_tree_below_the_block(prompts, baseline, max_depth, budget, max_topk):
+    """`max_depth` below the drafter's block - 1 (7): every size derived from the depth (tree levels, the drafter's
+    KV lookahead, accepted positions) follows the cap, the budget stays independent of both, and the output stays
+    token-identical to vLLM without speculation."""
+    spec = dict(ddtree(budget), max_depth=max_depth, **({"max_topk": max_topk} if max_topk else {}))
+    result = run(TARGET, spec, prompts, greedy(96), **ENGINE)
+    assert result.token_ids == baseline.token_ids
+    per_pos = result.metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_pos) == budget  # vLLM counts per draft slot: B of them
+    assert per_pos[max_depth - 1] > 0 and not any(per_pos[max_depth:]), per_pos
+    assert result.acceptance_length > 1 + 0.5 * max_depth, result.metrics
