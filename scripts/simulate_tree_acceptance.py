@@ -45,7 +45,13 @@ def main() -> None:
                         help="held-out prompts, or the first training prompts of each source (answers the drafter "
                              "was trained on: the two compared say whether it memorised them)")
     parser.add_argument("--out", default="simulate_tree_acceptance.json")
+    parser.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), default=None,
+                        help="no simulation: the difference A - B of two earlier runs' acceptance per draft and "
+                             "answer temperature, with a 95%% bootstrap interval (prompts resampled in each run)")
     args = parser.parse_args()
+    if args.compare:
+        compare_runs(*args.compare)
+        return
     if any(t <= 0 for t in args.temperatures):
         parser.error(f"--temperatures {args.temperatures}: every temperature must be > 0")
     if any(t < 0 for t in args.answer_temperatures):
@@ -148,6 +154,40 @@ def bootstrap_interval(counts: list[tuple[int, int]], rounds: int = 2000, seed: 
     rng = random.Random(seed)
     lengths = sorted(acceptance_length(*map(sum, zip(*rng.choices(counts, k=len(counts))))) for _ in range(rounds))
     return [round(lengths[int(0.025 * rounds)], 4), round(lengths[int(0.975 * rounds) - 1], 4)]
+
+
+def bootstrap_difference(a: list[tuple[int, int]], b: list[tuple[int, int]], rounds: int = 4000, seed: int = 0
+                         ) -> tuple[list[float], float]:  # fmt: skip
+    """95% percentile interval of acceptance(a) - acceptance(b), the prompts of each resampled on their own, and
+    the share of resamples where the difference is <= 0."""
+    import random
+
+    from vllm_ddtree.drafter.simulate import acceptance_length
+
+    rng = random.Random(seed)
+
+    def resampled(counts):
+        return acceptance_length(*map(sum, zip(*rng.choices(counts, k=len(counts)))))
+
+    diffs = sorted(resampled(a) - resampled(b) for _ in range(rounds))
+    interval = [round(diffs[int(0.025 * rounds)], 4), round(diffs[int(0.975 * rounds) - 1], 4)]
+    return interval, sum(d <= 0 for d in diffs) / rounds
+
+
+def compare_runs(path_a: str, path_b: str) -> None:
+    """Print A - B for every draft and answer temperature both runs have (their `per_prompt` counts)."""
+    from vllm_ddtree.drafter.simulate import acceptance_length
+
+    runs = [json.loads(Path(p).read_text())["by_answer_temperature"] for p in (path_a, path_b)]
+    print(f"A = {path_a}\nB = {path_b}\n\n| answers | draft | A | B | A - B | 95% interval | share <= 0 |\n"
+          "| --- | --- | ---: | ---: | ---: | --- | ---: |")
+    for temperature in [t for t in runs[0] if t in runs[1]]:
+        a, b = runs[0][temperature]["per_prompt"], runs[1][temperature]["per_prompt"]
+        for policy in [p for p in a if p in b]:
+            la, lb = (acceptance_length(*map(sum, zip(*c[policy]))) for c in (a, b))
+            interval, share = bootstrap_difference(a[policy], b[policy])
+            print(f"| T = {temperature} | {policy} | {la:.3f} | {lb:.3f} | {la - lb:+.3f} | "
+                  f"{interval[0]:+.3f} .. {interval[1]:+.3f} | {share:.3f} |")
 
 
 def parse_per_source(parser, items: list[str] | None) -> dict[str, int] | None:

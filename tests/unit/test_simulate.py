@@ -103,3 +103,26 @@ def test_the_simulation_scripts_interval_resamples_prompts():
     counts = [{"chain": (10, 5), "B16": (8, 9)}, {"chain": (4, 1), "B16": (3, 2)}]
     assert script.summed(counts, ["chain", "B16"]) == {"chain": (14, 6), "B16": (11, 11)}
     assert script.summed([], ["chain"]) == {"chain": (0, 0)}
+
+
+def test_the_simulation_scripts_comparison_of_two_runs(tmp_path, capsys):
+    """`--compare A B`: A - B per draft with a bootstrap interval that excludes 0 for a clear gap and holds it for
+    two samples of the same prompts; printed as a table row per draft both runs have."""
+    import json
+
+    from tests.unit.test_benchmark_script import load_script
+
+    script = load_script("simulate_tree_acceptance.py")
+    low = [(10, 5), (10, 8), (12, 6), (9, 5)] * 8  # ~1.6
+    high = [(10, 15), (10, 18), (12, 16), (9, 14)] * 8  # ~2.5
+    (interval, share) = script.bootstrap_difference(high, low)
+    assert 0 < interval[0] < interval[1] and share == 0.0
+    (same, same_share) = script.bootstrap_difference(low, list(reversed(low)))
+    assert same[0] < 0 < same[1] and 0.2 < same_share < 0.8
+    for name, counts in (("a", high), ("b", low)):
+        run = {"0": {"per_prompt": {"chain": counts, "B32 T1": counts}}}
+        (tmp_path / f"{name}.json").write_text(json.dumps({"by_answer_temperature": run}))
+    script.compare_runs(str(tmp_path / "a.json"), str(tmp_path / "b.json"))
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| T = 0")]
+    assert [row.split(" | ")[1] for row in rows] == ["chain", "B32 T1"]
+    assert "| 0.000 |" in rows[0]
