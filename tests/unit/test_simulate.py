@@ -3,6 +3,7 @@ whose root path is a prefix of the answer."""
 
 import random
 
+import pytest
 import torch
 
 from vllm_ddtree.drafter.simulate import chain_policy, tree_policy
@@ -126,3 +127,17 @@ def test_the_simulation_scripts_comparison_of_two_runs(tmp_path, capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| T = 0")]
     assert [row.split(" | ")[1] for row in rows] == ["chain", "B32 T1"]
     assert "| 0.000 |" in rows[0]
+
+
+def test_the_simulation_scripts_per_source_counts():
+    import argparse
+
+    from tests.unit.test_benchmark_script import load_script
+
+    script = load_script("simulate_tree_acceptance.py")
+    parser = argparse.ArgumentParser()
+    assert script.parse_per_source(parser, None) is None
+    assert script.parse_per_source(parser, ["sharegpt=32", "humaneval=4"]) == {"sharegpt": 32, "humaneval": 4}
+    for bad in (["sharegpt"], ["sharegpt=0"], ["wiki=3"], ["mtbench=2", "mtbench=3"]):
+        with pytest.raises(SystemExit):
+            script.parse_per_source(parser, bad)
