@@ -145,46 +145,52 @@ def summed(counts: list[dict[str, tuple[int, int]]], policies) -> dict[str, tupl
     return {n: tuple(map(sum, zip(*(c[n] for c in counts)))) if counts else (0, 0) for n in policies}
 
 
-def bootstrap_interval(counts: list[tuple[int, int]], rounds: int = 2000, seed: int = 0) -> list[float]:
-    """95% percentile interval of the acceptance length 1 + sum(accepted) / sum(drafts) with prompts resampled."""
-    import random
-
+def pooled(counts: list[tuple[int, int]]) -> float:
+    """The acceptance length of prompts' (drafts, accepted) counts taken together: 1 + sum(accepted) / sum(drafts)."""
     from vllm_ddtree.drafter.simulate import acceptance_length
 
+    return acceptance_length(*map(sum, zip(*counts)))
+
+
+def resample(counts: list, rng) -> list:
+    """As many prompts as `counts` has, drawn from it with replacement."""
+    return rng.choices(counts, k=len(counts))
+
+
+def percentile_interval(values: list[float]) -> list[float]:
+    """The 2.5th and 97.5th percentiles of `values`."""
+    ordered = sorted(values)
+    return [round(ordered[int(0.025 * len(ordered))], 4), round(ordered[int(0.975 * len(ordered)) - 1], 4)]
+
+
+def bootstrap_interval(counts: list[tuple[int, int]], rounds: int = 2000, seed: int = 0) -> list[float]:
+    """95% percentile interval of the pooled acceptance length with prompts resampled."""
+    import random
+
     rng = random.Random(seed)
-    lengths = sorted(acceptance_length(*map(sum, zip(*rng.choices(counts, k=len(counts))))) for _ in range(rounds))
-    return [round(lengths[int(0.025 * rounds)], 4), round(lengths[int(0.975 * rounds) - 1], 4)]
+    return percentile_interval([pooled(resample(counts, rng)) for _ in range(rounds)])
 
 
 def bootstrap_difference(a: list[tuple[int, int]], b: list[tuple[int, int]], rounds: int = 4000, seed: int = 0
                          ) -> tuple[list[float], float]:  # fmt: skip
-    """95% percentile interval of acceptance(a) - acceptance(b), the prompts of each resampled on their own, and
-    the share of resamples where the difference is <= 0."""
+    """95% percentile interval of pooled(a) - pooled(b), the prompts of each resampled on their own, and the share
+    of resamples where the difference is <= 0."""
     import random
 
-    from vllm_ddtree.drafter.simulate import acceptance_length
-
     rng = random.Random(seed)
-
-    def resampled(counts):
-        return acceptance_length(*map(sum, zip(*rng.choices(counts, k=len(counts)))))
-
-    diffs = sorted(resampled(a) - resampled(b) for _ in range(rounds))
-    interval = [round(diffs[int(0.025 * rounds)], 4), round(diffs[int(0.975 * rounds) - 1], 4)]
-    return interval, sum(d <= 0 for d in diffs) / rounds
+    diffs = [pooled(resample(a, rng)) - pooled(resample(b, rng)) for _ in range(rounds)]
+    return percentile_interval(diffs), sum(d <= 0 for d in diffs) / rounds
 
 
 def compare_runs(path_a: str, path_b: str) -> None:
     """Print A - B for every draft and answer temperature both runs have (their `per_prompt` counts)."""
-    from vllm_ddtree.drafter.simulate import acceptance_length
-
     runs = [json.loads(Path(p).read_text())["by_answer_temperature"] for p in (path_a, path_b)]
     print(f"A = {path_a}\nB = {path_b}\n\n| answers | draft | A | B | A - B | 95% interval | share <= 0 |\n"
           "| --- | --- | ---: | ---: | ---: | --- | ---: |")
     for temperature in [t for t in runs[0] if t in runs[1]]:
         a, b = runs[0][temperature]["per_prompt"], runs[1][temperature]["per_prompt"]
         for policy in [p for p in a if p in b]:
-            la, lb = (acceptance_length(*map(sum, zip(*c[policy]))) for c in (a, b))
+            la, lb = pooled(a[policy]), pooled(b[policy])
             interval, share = bootstrap_difference(a[policy], b[policy])
             print(f"| T = {temperature} | {policy} | {la:.3f} | {lb:.3f} | {la - lb:+.3f} | "
                   f"{interval[0]:+.3f} .. {interval[1]:+.3f} | {share:.3f} |")

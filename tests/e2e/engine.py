@@ -102,6 +102,11 @@ def generate(llm, prompts: list[list[int]], sampling_params) -> RunResult:
     )
 
 
+def metric(llm, name: str):
+    """One of the engine's Prometheus metrics by name (a counter's or gauge's value)."""
+    return {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}[name]
+
+
 def run(target: str, spec: dict | None, prompts, sampling_params, **engine_kwargs) -> RunResult:
     llm = make_llm(target, spec, **engine_kwargs)
     try:

@@ -165,7 +165,7 @@ def test_preempted_requests_keep_greedy_output(prompts):
     their KV and recomputes them later) again and again, also between a tree's verification and the next draft.
     DDTree's per-request state (the drafter's context rows, the accepted path's KV, remembered trees) must follow,
     and the output stays token-identical to vLLM without speculation and without preemption."""
-    from tests.e2e.engine import generate
+    from tests.e2e.engine import generate, metric
 
     params = greedy(200, ignore_eos=True)  # past EOS: longer answers, that still need drafts and accept some
     engine = dict(ENGINE, max_model_len=256)
@@ -173,7 +173,7 @@ def test_preempted_requests_keep_greedy_output(prompts):
     llm = make_llm(TARGET, ddtree(2 * BLOCK_SIZE + 1), **dict(engine, kv_cache_memory_bytes=600_000))
     try:
         tree = generate(llm, prompts, params)
-        preemptions = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}["vllm:num_preemptions"]
+        preemptions = metric(llm, "vllm:num_preemptions")
     finally:
         close(llm)
     assert preemptions > 10, "the small KV cache should have preempted requests"
@@ -183,12 +183,12 @@ def test_preempted_requests_keep_greedy_output(prompts):
 
 def test_chunked_prefill_and_prefix_cache_keep_greedy_output():
     """Eight ~410-token prompts sharing a ~386-token prefix, 128 batched tokens a step (vLLM 0.26 keeps 4 x 17 of
-    them for the drafter's query slots, 0.32 none) and 4 requests: the prompts prefill in chunks in the same steps as other
-    requests' tree verifications, and the second round reuses the first's cached prefix blocks (which tree KV
-    writes must never touch). Oracle: vLLM without speculation."""
+    them for the drafter's query slots, 0.32 none) and 4 requests: the prompts prefill in chunks in the same steps
+    as other requests' tree verifications, and the second round reuses the first's cached prefix blocks (which
+    tree KV writes must never touch). Oracle: vLLM without speculation."""
     from transformers import AutoTokenizer
 
-    from tests.e2e.engine import generate
+    from tests.e2e.engine import generate, metric
 
     tokenizer = AutoTokenizer.from_pretrained(TARGET)
     texts = json.loads((FIXTURE / "prompts.json").read_text())
@@ -199,7 +199,7 @@ def test_chunked_prefill_and_prefix_cache_keep_greedy_output():
     llm = make_llm(TARGET, ddtree(2 * BLOCK_SIZE + 1), **engine)
     try:
         rounds = [generate(llm, prompts, greedy(64)) for _ in range(2)]
-        hits = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}["vllm:prefix_cache_hits"]
+        hits = metric(llm, "vllm:prefix_cache_hits")
     finally:
         close(llm)
     assert min(len(p) for p in prompts) > 128  # every prompt needs several chunks
