@@ -27,7 +27,8 @@
 # LR sets the peak learning rate (default 1e-3). From INIT_FROM, 1e-3 set the shipped drafter back: it ended its own
 # training at a held-out loss of 3.18, and the run from it was at 3.71 after 250 steps (session 19, call 10; the
 # held-out point at step 0 now shows where such a run starts). 2e-4 improved it (session 20: 3.13 -> 2.83 in 7,000 steps).
-# The target's features are computed once per answer before training (FeatureStore, ~38 GiB for 27k answers);
+# The target's features are computed once per answer before training (FeatureStore, ~38 GiB for 27k answers); what
+# does not fit the device beside a step (24 GiB headroom) stays in host memory (session 38; 75.8k answers are ~104 GiB);
 # NO_FEATURE_STORE=1 runs the target at every step instead. SOFT_LABELS=K adds the target's top-K next tokens as soft
 # labels (half the loss; not yet run on a GPU). Session 20: ~21 steps/s with the store (4 layers).
 set -uo pipefail

@@ -1,5 +1,5 @@
 """The target's hidden states that condition the drafter: per batch (``target_features``), or computed once for
-every training answer and kept on the device (``FeatureStore``).
+every training answer and kept on the device, the overflow in host memory (``FeatureStore``).
 
 Training reads each answer ~5 times (passes over the data), and the target's forward was 37 of the 86 ms of a
 training step on the H200 (session 17, docs/drafter.md). The store runs that forward once per answer before the
@@ -15,6 +15,8 @@ import torch
 # Memory a training step needs beside the store: fp32 logits of 32 x 32 blocks of 16 over a 49k vocabulary are
 # 3 GB, and their gradient as much again.
 TRAINING_HEADROOM_BYTES = 24 << 30
+# Host memory left beside the host tier of the store: the process itself (answers, tokenizer, torch) and the OS.
+HOST_HEADROOM_BYTES = 16 << 30
 
 
 @dataclass
@@ -59,12 +61,20 @@ def target_features(model, input_ids: torch.Tensor, seq_lens: torch.Tensor, laye
 
 
 class FeatureStore:
-    """``target_outputs`` of a fixed list of token sequences, computed once: rows of all sequences back to back."""
+    """``target_outputs`` of a fixed list of token sequences, computed once: rows of all sequences back to back.
 
-    def __init__(self, rows: TargetOutputs, starts: torch.Tensor, lengths: torch.Tensor):
-        self.rows = rows  # each field [total tokens, ...]
-        self.starts = starts  # [num sequences] first row of each sequence
-        self.lengths = lengths  # [num sequences]
+    The rows live on the model's device up to ``device_bytes``; the sequences past that keep theirs in host memory
+    (the second tier), and a batch's host rows are gathered there and copied over. Session 37's 89k answers needed
+    122 GiB of features, more than an H100 keeps beside a training step.
+    """
+
+    def __init__(self, rows: TargetOutputs, host_rows: TargetOutputs | None, starts: torch.Tensor,
+                 lengths: torch.Tensor, on_host: torch.Tensor):
+        self.rows = rows  # each field [tokens of the device tier's sequences, ...], on the device
+        self.host_rows = host_rows  # each field [tokens of the host tier's sequences, ...], in host memory; or None
+        self.starts = starts  # [num sequences] first row of each sequence within its tier (CPU)
+        self.lengths = lengths  # [num sequences] (CPU)
+        self.on_host = on_host  # [num sequences] bool: the sequence's rows are in the host tier (CPU)
 
     @staticmethod
     def nbytes(sequences: list[list[int]], num_features: int, dtype: torch.dtype, top_k: int = 0) -> int:
@@ -73,14 +83,14 @@ class FeatureStore:
 
     @classmethod
     def build(cls, model, sequences: list[list[int]], layer_ids: list[int], pad_id: int, top_k: int = 0,
-              tokens_per_batch: int = 16384) -> FeatureStore:
-        """Run the target over ``sequences`` (longest first, ``tokens_per_batch`` padded tokens per forward)."""
+              tokens_per_batch: int = 16384, device_bytes: int | None = None) -> FeatureStore:
+        """Run the target over ``sequences`` (longest first, ``tokens_per_batch`` padded tokens per forward).
+        Sequences keep their rows on the device in index order while they fit ``device_bytes`` (None: all)."""
         from tqdm.auto import tqdm
 
         device = next(model.parameters()).device
         lengths = torch.tensor([len(ids) for ids in sequences])
-        starts = torch.cumsum(lengths, 0) - lengths
-        rows = None
+        rows = host_rows = on_host = starts = None
         order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
         batches, batch = [], []
         for i in order:  # longest first: a batch's padded length is its first sequence's
@@ -97,36 +107,86 @@ class FeatureStore:
             seq_lens = lengths[batch]
             outputs = target_outputs(model, input_ids.to(device), seq_lens.to(device), layer_ids, top_k)  # [b, T, ...]
             if rows is None:
-                rows = TargetOutputs(*(None if t is None else t.new_empty((int(lengths.sum()), t.shape[-1]))
-                                       for t in _fields(outputs)))  # fmt: skip
-            valid = (torch.arange(T) < seq_lens[:, None]).to(device)  # [b, T]
-            index = (starts[batch][:, None] + torch.arange(T)).to(device)[valid]  # rows of the valid positions
-            for store, value in zip(_fields(rows), _fields(outputs)):
-                if store is not None:
-                    store[index] = value[valid]
-        return cls(rows, starts.to(device), lengths.to(device))
+                per_token = sum(t.shape[-1] * t.element_size() for t in _fields(outputs) if t is not None)
+                device_tokens = lengths.sum() if device_bytes is None else device_bytes // per_token
+                on_host = torch.cumsum(lengths, 0) > device_tokens  # [N] the first sequences that fit stay on the device
+                starts = torch.zeros_like(lengths)
+                for tier in (~on_host, on_host):
+                    starts[tier] = torch.cumsum(lengths[tier], 0) - lengths[tier]
+                rows, host_rows = (_empty_rows(outputs, int(lengths[tier].sum()), where)
+                                   for tier, where in ((~on_host, device), (on_host, torch.device("cpu"))))
+            valid = torch.arange(T) < seq_lens[:, None]  # [b, T]
+            for tier, store in ((~on_host, rows), (on_host, host_rows)):
+                keep = valid & tier[batch][:, None]  # [b, T] valid positions of this tier's sequences
+                if not keep.any():
+                    continue
+                index = (starts[batch][:, None] + torch.arange(T))[keep]  # rows of those positions in the tier
+                for field, value in zip(_fields(store), _fields(outputs)):
+                    if field is not None:
+                        field[index.to(field.device)] = value[keep.to(device)].to(field.device)
+        if not on_host.any():
+            host_rows = None
+        return cls(rows, host_rows, starts, lengths, on_host)
+
+    def describe(self) -> str:
+        """Where the rows are, for the log."""
+        host = int(self.on_host.sum())
+        return f"{len(self.lengths) - host} answers on the device, {host} in host memory"
 
     def gather(self, indices: list[int], T: int) -> TargetOutputs:
         """Outputs of sequences ``indices`` right-padded to ``T`` positions ([len(indices), T, ...]), as
         ``target_outputs`` of the padded batch returns them (padded positions repeat the last row; no step reads
-        them: a block's context ends before its anchor, and its labels before the sequence's end)."""
-        device = self.starts.device
-        index = torch.tensor(indices, device=device)
+        them: a block's context ends before its anchor, and its labels before the sequence's end). No wait for the
+        device: indices are computed on the host, host rows are gathered into pinned memory and copied
+        asynchronously."""
+        device = self.rows.features.device
+        index = torch.tensor(indices)
         last = self.lengths[index, None] - 1  # [B, 1]
-        rows = self.starts[index, None] + torch.minimum(torch.arange(T, device=device), last)  # [B, T]
-        return TargetOutputs(*(None if t is None else t[rows] for t in _fields(self.rows)))
+        rows = self.starts[index, None] + torch.minimum(torch.arange(T), last)  # [B, T] rows within each tier
+        host = self.on_host[index]  # [B]
+        if not host.any():
+            return TargetOutputs(*(None if t is None else t[rows.to(device, non_blocking=True)]
+                                   for t in _fields(self.rows)))
+        gathered = []
+        for field, host_field in zip(_fields(self.rows), _fields(self.host_rows)):
+            if field is None:
+                gathered.append(None)
+                continue
+            out = field.new_empty((len(indices), T, field.shape[-1]))  # [B, T, F]
+            on_device = (~host).nonzero().squeeze(1)
+            if len(on_device):
+                out[on_device.to(device)] = field[rows[on_device].to(device, non_blocking=True)]
+            picked = rows[host].flatten()  # [H * T]
+            staged = torch.empty((len(picked), field.shape[-1]), dtype=field.dtype,
+                                 pin_memory=device.type == "cuda")  # fmt: skip
+            torch.index_select(host_field, 0, picked, out=staged)
+            out[host.nonzero().squeeze(1).to(device)] = staged.view(-1, T, field.shape[-1]).to(device, non_blocking=True)
+            gathered.append(out)
+        return TargetOutputs(*gathered)
+
+
+def _empty_rows(like: TargetOutputs, num_rows: int, device: torch.device) -> TargetOutputs:
+    return TargetOutputs(*(None if t is None else torch.empty((num_rows, t.shape[-1]), dtype=t.dtype, device=device)
+                           for t in _fields(like)))  # fmt: skip
 
 
 def _fields(outputs: TargetOutputs) -> tuple:
     return outputs.features, outputs.top_ids, outputs.top_probs
 
 
-def store_fits(nbytes: int, device: torch.device) -> tuple[bool, str]:
-    """Whether a store of ``nbytes`` leaves a training step its headroom on ``device``, and why (for the log)."""
+def store_budget(device: torch.device) -> tuple[int, int, str]:
+    """Bytes of store the device and the host memory can keep beside a training step, and why (for the log)."""
+    host = max(0, _available_host_bytes() - HOST_HEADROOM_BYTES)
     if device.type != "cuda":
         limit = 2 << 30  # CPU runs are tiny test or smoke runs
-        return nbytes <= limit, f"{nbytes / 2**30:.1f} GiB against a CPU limit of {limit / 2**30:.0f} GiB"
+        return limit, 0, f"a CPU limit of {limit / 2**30:.0f} GiB"
     free, _ = torch.cuda.mem_get_info(device)
-    return (nbytes + TRAINING_HEADROOM_BYTES <= free,
-            f"{nbytes / 2**30:.1f} GiB + {TRAINING_HEADROOM_BYTES / 2**30:.0f} GiB headroom against "
-            f"{free / 2**30:.1f} GiB free")
+    on_device = max(0, free - TRAINING_HEADROOM_BYTES)
+    return on_device, host, (f"{free / 2**30:.1f} GiB free on the device less {TRAINING_HEADROOM_BYTES / 2**30:.0f} GiB "
+                             f"headroom, then {host / 2**30:.1f} GiB of host memory")
+
+
+def _available_host_bytes() -> int:
+    with open("/proc/meminfo") as meminfo:
+        fields = dict(line.split(":", 1) for line in meminfo)
+    return int(fields["MemAvailable"].split()[0]) * 1024

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_ddtree.drafter.features import FeatureStore, TargetOutputs, store_fits, target_features, target_outputs
+from vllm_ddtree.drafter.features import FeatureStore, TargetOutputs, store_budget, target_features, target_outputs
 from vllm_ddtree.drafter.model import DFlashDrafter, DrafterConfig
 from vllm_ddtree.drafter.simulate import simulate_acceptance
 
@@ -826,13 +826,14 @@ def _feature_store(cfg: TrainConfig, target, seqs: list[Sequence], layer_ids: li
     sequences = [s.ids for s in seqs]
     device = next(target.parameters()).device
     nbytes = FeatureStore.nbytes(sequences, len(layer_ids) * hidden_size, target.dtype, cfg.soft_labels)
-    fits, why = store_fits(nbytes, device)
-    if not fits:
-        print(f"feature store: off ({why}); the target runs at every step")
+    on_device, on_host, why = store_budget(device)
+    if nbytes > on_device + on_host:
+        print(f"feature store: off ({nbytes / 2**30:.1f} GiB against {why}); the target runs at every step")
         return None
     began = time.perf_counter()
-    store = FeatureStore.build(target, sequences, layer_ids, pad_id, cfg.soft_labels)
-    print(f"feature store: {len(sequences)} answers, {why}, built in {time.perf_counter() - began:.0f} s")
+    store = FeatureStore.build(target, sequences, layer_ids, pad_id, cfg.soft_labels, device_bytes=on_device)
+    print(f"feature store: {len(sequences)} answers, {nbytes / 2**30:.1f} GiB ({store.describe()}; {why}), "
+          f"built in {time.perf_counter() - began:.0f} s")
     return store
 
 
