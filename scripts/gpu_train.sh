@@ -24,6 +24,9 @@
 # EXTRA_ROUNDS=N generates N more answers per prompt at T 0.7 after the carried ones (~2 min per round of 13.5k).
 # LATER_TURNS=1 adds every later user turn of the training conversations as a prompt, answered once greedily after
 # all other answers (~37k distinct turns, most within 256 prompt tokens): more distinct prompts than EXTRA_ROUNDS.
+# SELF_PROMPTS=N: the target writes N user turns itself (sampled from its chat template's user opening; session 38),
+# the usable ones answered once greedily after all other answers: distinct prompts beyond the packages' (~40 s per 10k
+# with 4 engines, estimated; not yet run on a GPU).
 # LR sets the peak learning rate (default 1e-3). From INIT_FROM, 1e-3 set the shipped drafter back: it ended its own
 # training at a held-out loss of 3.18, and the run from it was at 3.71 after 250 steps (session 19, call 10; the
 # held-out point at step 0 now shows where such a run starts). 2e-4 improved it (session 20: 3.13 -> 2.83 in 7,000 steps).
@@ -49,7 +52,7 @@ left=$(( ${TRAIN_S:-540} - (SECONDS - started) - 15 ))  # 15 s to pack the draft
 [ "$left" -ge 180 ] || { echo "TRAIN_S=${TRAIN_S:-540} leaves ${left} s after the conversion; give it >= 180 s more"; exit 1; }
 timeout "$left" python scripts/train_drafter.py --target /tmp/smollm2 --out /tmp/smollm2-dflash \
   --block-size 16 --num-layers "${NUM_LAYERS:-2}" --num-prompts "${PROMPTS:-16000}" --generator "${GENERATOR:-vllm}" \
-  --responses-per-prompt "${RESPONSES:-2}" --extra-answer-rounds "${EXTRA_ROUNDS:-0}" ${LATER_TURNS:+--later-turns} --greedy-first --temperature 0.7 \
+  --responses-per-prompt "${RESPONSES:-2}" --extra-answer-rounds "${EXTRA_ROUNDS:-0}" ${LATER_TURNS:+--later-turns} ${SELF_PROMPTS:+--self-prompts $SELF_PROMPTS} --greedy-first --temperature 0.7 \
   --gen-batch-size 256 --steps "${STEPS:-4000}" --lr "${LR:-1e-3}" --weight-decay 0.01 --eval-every 250 \
   --batch-size 32 --loss-decay 7 --save-every 250 --time-limit-s "$(( left - 105 ))" ${GEN_GRAPHS:+--gen-cuda-graphs} ${GEN_ENGINES:+--gen-engines $GEN_ENGINES} $resume ${NO_FEATURE_STORE:+--no-feature-store} ${SOFT_LABELS:+--soft-labels $SOFT_LABELS} ${INIT_FROM:+--init-from "$INIT_FROM"} 2>&1 | tr '\r' '\n' | grep --line-buffered -v "^\s*$" | awk 'NR % 20 == 1 || /Error|error|warning|report|acceptance|heldout|generated|time limit|stopped|feature store|{/ {print; fflush()}' \
   > "$OUT/train.log"

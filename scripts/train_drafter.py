@@ -43,6 +43,9 @@ def parse_args(argv=None) -> TrainConfig:
     p.add_argument("--later-turns", action="store_true",
                    help="more prompts: every later user turn of the training conversations (~37k distinct), "
                         "answered once (greedy with --greedy-first) after all other answers")
+    p.add_argument("--self-prompts", type=int, default=0, metavar="N",
+                   help="more prompts still: N user turns sampled from the target itself (the Magpie recipe), the "
+                        "usable ones answered once after all other answers (--generator vllm)")
     p.add_argument("--greedy-first", action="store_true",
                    help="the first answer of each prompt greedy, the others sampled at --temperature (vllm generator)")
     p.add_argument("--gen-batch-size", type=int, default=defaults["gen_batch_size"])

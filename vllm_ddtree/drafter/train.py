@@ -28,6 +28,7 @@ import torch
 
 from vllm_ddtree.drafter.features import FeatureStore, TargetOutputs, store_budget, target_features, target_outputs
 from vllm_ddtree.drafter.model import DFlashDrafter, DrafterConfig
+from vllm_ddtree.drafter.self_prompts import written_prompts
 from vllm_ddtree.drafter.simulate import simulate_acceptance
 
 IGNORE = -100
@@ -54,6 +55,9 @@ class TrainConfig:
     # More prompts: every later user turn of the training conversations (`data.later_turn_prompts`) answered once
     # (greedy with `greedy_first`), after all the answers above, so those keep their places too.
     later_turns: bool = False
+    # More prompts still: this many user turns sampled from the target itself (`self_prompts.written_prompts`), the
+    # usable ones answered once (greedy with `greedy_first`) after all the answers above. vLLM generator only.
+    self_prompts: int = 0
     gen_batch_size: int = 64
     generator: str = "hf"  # "hf" (transformers) or "vllm"
     # vllm generator on CUDA: decode steps replay FULL CUDA graphs (no torch.compile), prompts in waves of
@@ -670,6 +674,9 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
     if cfg.extra_answer_rounds < 0 or (cfg.extra_answer_rounds and cfg.temperature <= 0):
         raise ValueError(f"extra_answer_rounds={cfg.extra_answer_rounds} needs to be 0, or > 0 with temperature > 0 "
                          f"(got temperature={cfg.temperature}): greedy answers to one prompt are all the same")
+    if cfg.self_prompts < 0 or (cfg.self_prompts and cfg.generator != "vllm"):
+        raise ValueError(f"self_prompts={cfg.self_prompts} with generator={cfg.generator!r}: it needs to be 0, or > 0 "
+                         "with generator='vllm' (the target writes its prompts with vLLM)")
     if cfg.gen_engines < 1 or (cfg.gen_engines > 1 and cfg.generator != "vllm"):
         raise ValueError(f"gen_engines={cfg.gen_engines} with generator={cfg.generator!r}: it needs to be 1, or > 1 "
                          "with generator='vllm' (engines side by side are vLLM engines)")
@@ -709,6 +716,10 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
         later = later_prompt_ids if later_prompt_ids is not None else encode_prompts(
             tokenizer, data.later_turn_prompts(cfg.sources, seed=cfg.seed), cfg.chat_template, cfg.max_prompt_len)
     deadline = None if cfg.time_limit_s is None else began + cfg.time_limit_s
+    if cfg.self_prompts:
+        written = written_prompts(cfg, tokenizer, eos_ids, deadline)
+        later = later + encode_prompts(tokenizer, written, cfg.chat_template, cfg.max_prompt_len)
+        print(f"self_prompts: {len(written)} usable of {cfg.self_prompts} written by the target", flush=True)
     seqs = _load_or_generate(cfg, target, tokenizer, prompts, prompt_ids, later, pad_id, eos_ids, deadline)
     if not seqs:
         raise ValueError("the target produced no response of 2 or more tokens; check the prompts and EOS ids")
