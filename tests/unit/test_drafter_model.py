@@ -503,14 +503,16 @@ def test_feature_store_rows_are_the_per_batch_outputs(tmp_path, one_cpu_thread):
     assert FeatureStore.build(model, sequences[:2], layer_ids, pad_id=0).rows.top_ids is None  # top_k 0: none kept
 
 
-def test_a_store_split_between_device_and_host_gathers_what_the_whole_store_does(tmp_path, one_cpu_thread):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the pinned-memory copy to a GPU needs CUDA (run on the device)"))])
+def test_a_store_split_between_device_and_host_gathers_what_the_whole_store_does(tmp_path, one_cpu_thread, device):
     """`FeatureStore.build(device_bytes=...)`: the sequences past the device budget keep their rows in host memory
     (the second tier), and a batch drawn from both tiers gathers exactly the rows of a store kept whole."""
     from tests.tiny_models import make_tiny_target
     from vllm_ddtree.drafter.features import FeatureStore
     from vllm_ddtree.drafter.train import load_target
 
-    model, _ = load_target(str(make_tiny_target(tmp_path / "target", num_layers=3)), torch.device("cpu"), "float32")
+    model, _ = load_target(str(make_tiny_target(tmp_path / "target", num_layers=3)), torch.device(device), "float32")
     rng = random.Random(1)
     sequences = [[rng.randrange(3, 60) for _ in range(rng.randrange(2, 30))] for _ in range(9)]
     layer_ids = [0, 2]
@@ -523,9 +525,11 @@ def test_a_store_split_between_device_and_host_gathers_what_the_whole_store_does
     assert split.rows.features.shape[0] == device_tokens - 1
     assert split.host_rows.features.shape[0] == sum(map(len, sequences[4:]))
     assert whole.host_rows is None and not whole.on_host.any()
+    assert split.rows.features.device.type == device and split.host_rows.features.device.type == "cpu"
     for chosen in ([7, 2, 4, 0], [1, 3], [8, 5]):  # both tiers, the device's alone, the host's alone
         T = max(len(sequences[i]) for i in chosen) + 2
         expected, got = whole.gather(chosen, T), split.gather(chosen, T)
+        assert got.features.device.type == device
         for name in ("features", "top_ids", "top_probs"):
             assert torch.equal(getattr(got, name), getattr(expected, name)), (chosen, name)
 
