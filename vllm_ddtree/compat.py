@@ -73,6 +73,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
 from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 from vllm_ddtree.env import env_choice
@@ -187,6 +188,21 @@ def auto_runner_is_v2(
     if not vllm_picks_v2 or vllm_runner_explicit:
         return vllm_picks_v2
     return is_v2_verified_release(vllm_version) and tensor_parallel_size == 1
+
+
+def ddtree_may_run_on_model_runner_v2() -> bool:
+    """Whether a DDTree engine started from this process's environment may run DDTree's Model Runner V2 hooks, told
+    before any engine config exists (a request's checks): VLLM_DDTREE_RUNNER=v2, VLLM_USE_V2_MODEL_RUNNER=1, or,
+    with neither set, vLLM 0.26 on CUDA (`auto_runner_is_v2`). Errs towards V2: vLLM may still pick V1 there."""
+    import vllm.envs as envs
+    from vllm.platforms import current_platform
+
+    runner = requested_runner()
+    if runner != "auto":
+        return runner == "v2"
+    if envs.VLLM_USE_V2_MODEL_RUNNER is not None:
+        return bool(envs.VLLM_USE_V2_MODEL_RUNNER)
+    return is_v2_verified_release(VLLM_VERSION) and current_platform.is_cuda()
 
 
 def is_v2_verified_release(vllm_version: str) -> bool:
@@ -325,6 +341,31 @@ def min_tokens_requests(sampling_metadata) -> dict:
     return {}
 
 
+def structured_output_rows(runner, req_ids: list[str]) -> list[bool]:
+    """V1: whether each of `req_ids` (the runner's batch rows) asks for structured output (0.26 and 0.32:
+    `runner.requests[req_id].sampling_params.structured_outputs`)."""
+    rows = []
+    for req_id in req_ids:
+        params = getattr(runner.requests.get(req_id), "sampling_params", None)
+        rows.append(getattr(params, "structured_outputs", None) is not None)
+    return rows
+
+
+def drafts_before_placeholders(scheduler_output, req_ids: list[str]) -> list[int] | None:
+    """V1: per request of `req_ids`, how many of its scheduled drafts come before the first placeholder (-1), or None
+    when no request with structured output is scheduled. With async scheduling vLLM replaces the drafts its grammar
+    rejects by placeholders (`Scheduler.update_draft_token_ids_in_output`, 0.26 and 0.32), and the runner clamps
+    their input ids to 0 before the forward pass; the walk must not take them for token 0."""
+    if not getattr(scheduler_output, "has_structured_output_requests", False):
+        return None
+    drafts = scheduler_output.scheduled_spec_decode_tokens
+    counts = []
+    for req_id in req_ids:
+        tokens = drafts.get(req_id, ())
+        counts.append(tokens.index(PLACEHOLDER_TOKEN_ID) if PLACEHOLDER_TOKEN_ID in tokens else len(tokens))
+    return counts
+
+
 @functools.cache
 def speculative_config_keys() -> frozenset[str]:
     """The keys this vLLM's `SpeculativeConfig` takes (0.33 adds e.g. `xpress_topc`, `fly_window_size`)."""
@@ -389,9 +430,7 @@ def reserve_kv_lookahead_for_tree_depth(tree_depth) -> None:
         num_lookahead_tokens._ddtree_hook = True
         VllmConfig.num_lookahead_tokens = property(num_lookahead_tokens)
         return
-    from vllm.v1.core.sched.scheduler import Scheduler  # 0.26
-
-    original_init = Scheduler.__init__
+    original_init = Scheduler.__init__  # 0.26
     if getattr(original_init, "_ddtree_hook", False):
         return
 

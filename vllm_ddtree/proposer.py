@@ -11,18 +11,21 @@ verification.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from vllm_ddtree.compat import DFlashProposer, pad_dflash_query_buffers
+from vllm_ddtree.compat import DFlashProposer, pad_dflash_query_buffers, structured_output_rows
 from vllm_ddtree.config import drafting_config
 from vllm_ddtree.tree import DraftTree, build_draft_tree
 from vllm_ddtree.verify.scorer import move_rows_
+from vllm_ddtree.verify.step import to_device
 
 
 class DDTreeProposer(DFlashProposer):
     def __init__(self, vllm_config, device: torch.device, runner, budget: int, depth: int, max_topk: int | None):
         super().__init__(drafting_config(vllm_config, depth), device, runner)
         pad_dflash_query_buffers(self, vllm_config)
+        self.model_runner = runner  # the target's V1 runner: which rows ask for structured output
         self.budget = budget
         self.depth = depth
         self.max_topk = max_topk
@@ -54,6 +57,14 @@ class DDTreeProposer(DFlashProposer):
         self._draft_logits = logits
         return logits.argmax(dim=-1), None
 
+    def _chain_rows(self, num_reqs: int) -> torch.Tensor | None:
+        """[R] bool, the requests with structured output, whose drafts are a chain (`tree.build.chain_only_`);
+        None when there are none (the common case: no upload)."""
+        rows = structured_output_rows(self.model_runner, self.model_runner.input_batch.req_ids[:num_reqs])
+        if not any(rows):
+            return None
+        return to_device(np.array(rows, dtype=np.bool_), self._draft_logits.device)
+
     def propose(self, num_speculative_tokens: int, **kwargs) -> torch.Tensor:
         next_token_ids = kwargs["next_token_ids"]  # [R]
         num_reqs = next_token_ids.shape[0]
@@ -69,7 +80,11 @@ class DDTreeProposer(DFlashProposer):
         assert self._draft_logits is not None
         draft_logits = self._draft_logits.view(num_reqs, self.depth, -1)  # [R, D, V]
         self.last_tree = build_draft_tree(
-            draft_logits, next_token_ids.to(torch.int64), budget=self.budget, max_topk=self.max_topk
+            draft_logits,
+            next_token_ids.to(torch.int64),
+            budget=self.budget,
+            max_topk=self.max_topk,
+            chain_rows=self._chain_rows(num_reqs),
         )
         self._draft_logits = None
         if self.timer is not None:

@@ -118,6 +118,7 @@ def install_runner_hooks() -> None:
         LOGGER_NAME,
         GPUModelRunner,
         SamplerOutput,
+        drafts_before_placeholders,
         init_logger,
         prepare_inputs_outputs,
     )
@@ -193,6 +194,7 @@ def install_runner_hooks() -> None:
                 prev_rows,
                 state.width,
                 positions=self.positions,  # tree positions: root + depth
+                drafts_before_placeholders=drafts_before_placeholders(scheduler_output, self.input_batch.req_ids),
             )
         state.timer.mark("tree_layout")
         return result

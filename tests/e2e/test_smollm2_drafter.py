@@ -22,16 +22,6 @@ MIN_ACCEPTANCE_LENGTH = 1.3
 
 
 @pytest.fixture(scope="module")
-def drafter() -> str:
-    from vllm_ddtree.drafters import default_drafter_dir
-
-    path = default_drafter_dir()
-    if path is None:
-        pytest.skip("this build ships no SmolLM2 drafter (vllm_ddtree/drafters/)")
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def prompts(smollm2) -> list[list[int]]:
     """Chat-templated token ids of a few held-out prompts, encoded as drafter training encodes its prompts."""
     from transformers import AutoTokenizer

@@ -1,0 +1,133 @@
+"""Structured output with DDTree (vllm_ddtree/structured.py), on the real SmolLM2 pair (vLLM's CPU build, V1 model
+runner, float32): JSON schemas, regexes and choices in one batch with unconstrained requests.
+
+Oracles: greedy answers token-identical to vLLM without speculation under the same constraints; sampled answers
+(T = 1) that satisfy their constraint; and constrained requests that still accept drafts. Without the chains (a
+tree's siblings masked as if they followed each other) the identity test fails: one regex answer came out garbled.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.e2e.engine import run
+
+pytestmark = pytest.mark.slow
+
+ENGINE = dict(skip_tokenizer_init=False, max_model_len=1024)
+MAX_TOKENS = 48
+BUDGET = 32  # not the drafter's depth (15): a constrained request keeps min(B, D) = 15 drafts, the others 32
+DEPTH = 15
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+NUMBERS = {"type": "array", "items": {"type": "integer"}, "minItems": 3, "maxItems": 6}
+COLORS = r"(red|green|blue|yellow)(, (red|green|blue|yellow)){2}\."
+DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+SENTIMENTS = ["positive", "negative", "neutral"]
+
+# (user message, structured outputs params as keywords, or None: unconstrained)
+CASES = [
+    ("Describe a cat as JSON with fields name and age.", {"json": PERSON}),
+    ("Give me a JSON list of the first few prime numbers.", {"json": NUMBERS}),
+    ("List three colors.", {"regex": COLORS}),
+    ("When did the first person land on the moon? Answer with a date.", {"regex": DATE}),
+    ("What is the sentiment of: 'I loved this movie, it was great!'", {"choice": SENTIMENTS}),
+    ("Write a Python function that adds two numbers.", None),
+    ("Describe a dog as JSON with fields name and age.", {"json": PERSON}),
+    ("What is the capital of France?", None),
+]
+
+
+def satisfies(text: str, constraint: dict) -> bool:
+    if "json" in constraint:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return False
+        if constraint["json"] is PERSON:
+            return isinstance(value, dict) and isinstance(value.get("name"), str) and type(value.get("age")) is int
+        return isinstance(value, list) and 3 <= len(value) <= 6 and all(type(v) is int for v in value)
+    if "regex" in constraint:
+        return re.fullmatch(constraint["regex"], text) is not None
+    return text in constraint["choice"]
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": m}], tokenize=False, add_generation_prompt=True)
+        for m, _ in CASES
+    ]
+    return [tokenizer(text, add_special_tokens=False).input_ids for text in texts]
+
+
+def sampling_params(temperature: float, seed: int | None = None) -> list:
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return [
+        SamplingParams(
+            temperature=temperature,
+            max_tokens=MAX_TOKENS,
+            seed=None if seed is None else seed + i,
+            structured_outputs=None if constraint is None else StructuredOutputsParams(**constraint),
+        )
+        for i, (_, constraint) in enumerate(CASES)
+    ]
+
+
+def ddtree(drafter: str) -> dict:
+    return {"method": "ddtree", "model": drafter, "num_speculative_tokens": BUDGET}
+
+
+def texts(smollm2, result) -> list[str]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in result.token_ids]
+
+
+def test_greedy_answers_match_no_speculation_under_the_same_constraints(smollm2, drafter, prompts):
+    plain = run(smollm2, None, prompts, sampling_params(0.0), **ENGINE)
+    tree = run(smollm2, ddtree(drafter), prompts, sampling_params(0.0), **ENGINE)
+
+    assert tree.token_ids == plain.token_ids
+    assert tree.finish_reasons == plain.finish_reasons
+    for text, (_, constraint) in zip(texts(smollm2, plain), CASES):
+        if constraint is not None:
+            assert satisfies(text, constraint), (text, constraint)
+    assert tree.acceptance_length > 1.3, tree.metrics
+
+
+def test_constrained_requests_draft_chains(smollm2, drafter, prompts):
+    """Constrained requests alone accept well over one token a step, with at most D drafts a verification (their
+    chain, never B; vLLM's grammar check may cut it shorter, so this bound alone does not tell a chain from a cut
+    tree: the identity test above does)."""
+    constrained = [i for i, (_, constraint) in enumerate(CASES) if constraint is not None]
+    params = sampling_params(0.0)
+    result = run(smollm2, ddtree(drafter), [prompts[i] for i in constrained], [params[i] for i in constrained], **ENGINE)
+
+    drafts = result.metrics["vllm:spec_decode_num_drafts"]
+    draft_tokens = result.metrics["vllm:spec_decode_num_draft_tokens"]
+    assert drafts > 0
+    assert draft_tokens <= DEPTH * drafts, result.metrics
+    assert result.acceptance_length > 1.3, result.metrics
+
+
+def test_sampled_answers_satisfy_their_constraints(smollm2, drafter, prompts):
+    result = run(smollm2, ddtree(drafter), prompts, sampling_params(1.0, seed=7), **ENGINE)
+
+    for text, finish, (_, constraint) in zip(texts(smollm2, result), result.finish_reasons, CASES):
+        if constraint is not None and finish == "stop":
+            assert satisfies(text, constraint), (text, constraint)
+    assert sum(f == "stop" for f, (_, c) in zip(result.finish_reasons, CASES) if c is not None) >= 3
