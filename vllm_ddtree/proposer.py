@@ -35,6 +35,8 @@ class DDTreeProposer(DFlashProposer):
         self.timer = None  # set by the runner (profiling.StepTimer or a no-op)
         # (src, dst) scheduled-token indices of the accepted paths, set by the runner after a verification step.
         self.accepted_path_moves: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Whether this step schedules a request with structured output (set by the runner; True: look).
+        self.structured_output_step = True
 
     def set_inputs_first_pass(self, **kwargs):
         """Move each accepted path's context rows to the front of its request before DFlash reads them.
@@ -59,7 +61,9 @@ class DDTreeProposer(DFlashProposer):
 
     def _chain_rows(self, num_reqs: int) -> torch.Tensor | None:
         """[R] bool, the requests with structured output, whose drafts are a chain (`tree.build.chain_only_`);
-        None when there are none (the common case: no upload)."""
+        None when there are none (the common case: no upload, no per-request loop)."""
+        if not self.structured_output_step:
+            return None
         rows = structured_output_rows(self.model_runner, self.model_runner.input_batch.req_ids[:num_reqs])
         if not any(rows):
             return None

@@ -270,6 +270,8 @@ def install_runner_hooks() -> None:
         if state is not None:
             state.timer.mark("vllm_sampler_output")
             self.drafter.accepted_path_moves = state.moves  # applied to the drafter's context (proposer.py)
+            scheduler_output = args[0] if args else kwargs.get("scheduler_output")  # first in 0.26 and 0.32
+            self.drafter.structured_output_step = getattr(scheduler_output, "has_structured_output_requests", True)
         draft_token_ids = original(self, *args, **kwargs)
         if state is not None:
             state.timer.mark("draft_other")
