@@ -6,7 +6,7 @@ per-position argmax (a chain), `build_draft_tree` keeps the B most probable pref
 non-root node tokens per request, parents before children, so vLLM's scheduler treats them as B draft tokens
 (and may truncate them to any prefix, which is still a tree; with `num_speculative_tokens_per_batch_size` vLLM asks
 for n <= B and gets the first n). Parents and depths are kept for the next step's
-verification.
+verification. A request with structured output drafts its argmax chain instead (`vllm_ddtree/structured.py`).
 """
 
 from __future__ import annotations
