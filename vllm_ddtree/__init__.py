@@ -30,12 +30,12 @@ def register() -> None:
     from vllm_ddtree.requests import install_request_hook
     from vllm_ddtree.runner import install_runner_hooks
 
-    from vllm_ddtree.structured import install_chain_drafts_hook
+    from vllm_ddtree.structured import install_tree_mask_hooks
 
     install_config_hook()
     install_request_hook()
     install_runner_hooks()
-    install_chain_drafts_hook()
+    install_tree_mask_hooks()
     # Both runners' hooks, whatever VLLM_DDTREE_RUNNER says now: the runner is chosen per engine config
     # (`compat.choose_model_runner`), and a process that registered before the variable was set (a benchmark running
     # several methods, a forked engine core) ran vLLM's plain DFlash for DDTree configs on V2 (session 16).

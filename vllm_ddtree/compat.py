@@ -76,6 +76,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+from vllm.v1.structured_output import StructuredOutputManager
 from vllm_ddtree.env import env_choice
 
 VLLM_VERSION = vllm.__version__
@@ -351,19 +352,16 @@ def structured_output_rows(runner, req_ids: list[str]) -> list[bool]:
     return rows
 
 
-def drafts_before_placeholders(scheduler_output, req_ids: list[str]) -> list[int] | None:
-    """V1: per request of `req_ids`, how many of its scheduled drafts come before the first placeholder (-1), or None
-    when no request with structured output is scheduled. With async scheduling vLLM replaces the drafts its grammar
-    rejects by placeholders (`Scheduler.update_draft_token_ids_in_output`, 0.26 and 0.32), and the runner clamps
-    their input ids to 0 before the forward pass; the walk must not take them for token 0."""
-    if not getattr(scheduler_output, "has_structured_output_requests", False):
-        return None
-    drafts = scheduler_output.scheduled_spec_decode_tokens
-    counts = []
-    for req_id in req_ids:
-        tokens = drafts.get(req_id, ())
-        counts.append(tokens.index(PLACEHOLDER_TOKEN_ID) if PLACEHOLDER_TOKEN_ID in tokens else len(tokens))
-    return counts
+def grammar_valid_prefix(manager, request, tokens: list[int]) -> int:
+    """How many leading `tokens` a structured-output request's grammar accepts from its current state, state left
+    as it was: `StructuredOutputManager.validate_tokens` (0.32, 0.33: it also skips tokens before a reasoning end);
+    0.26 checks `should_advance` and asks the grammar itself, as its scheduler does."""
+    validate = getattr(manager, "validate_tokens", None)
+    if validate is not None:
+        return len(validate(request, list(tokens)))
+    if not manager.should_advance(request):
+        return len(tokens)
+    return len(request.structured_output_request.grammar.validate_tokens(list(tokens)))
 
 
 @functools.cache

@@ -6,26 +6,23 @@ per-position argmax (a chain), `build_draft_tree` keeps the B most probable pref
 non-root node tokens per request, parents before children, so vLLM's scheduler treats them as B draft tokens
 (and may truncate them to any prefix, which is still a tree; with `num_speculative_tokens_per_batch_size` vLLM asks
 for n <= B and gets the first n). Parents and depths are kept for the next step's
-verification. A request with structured output drafts its argmax chain instead (`vllm_ddtree/structured.py`).
+verification.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from vllm_ddtree.compat import DFlashProposer, pad_dflash_query_buffers, structured_output_rows
+from vllm_ddtree.compat import DFlashProposer, pad_dflash_query_buffers
 from vllm_ddtree.config import drafting_config
 from vllm_ddtree.tree import DraftTree, build_draft_tree
 from vllm_ddtree.verify.scorer import move_rows_
-from vllm_ddtree.verify.step import to_device
 
 
 class DDTreeProposer(DFlashProposer):
     def __init__(self, vllm_config, device: torch.device, runner, budget: int, depth: int, max_topk: int | None):
         super().__init__(drafting_config(vllm_config, depth), device, runner)
         pad_dflash_query_buffers(self, vllm_config)
-        self.model_runner = runner  # the target's V1 runner: which rows ask for structured output
         self.budget = budget
         self.depth = depth
         self.max_topk = max_topk
@@ -35,8 +32,6 @@ class DDTreeProposer(DFlashProposer):
         self.timer = None  # set by the runner (profiling.StepTimer or a no-op)
         # (src, dst) scheduled-token indices of the accepted paths, set by the runner after a verification step.
         self.accepted_path_moves: tuple[torch.Tensor, torch.Tensor] | None = None
-        # Whether this step schedules a request with structured output (set by the runner; True: look).
-        self.structured_output_step = True
 
     def set_inputs_first_pass(self, **kwargs):
         """Move each accepted path's context rows to the front of its request before DFlash reads them.
@@ -59,16 +54,6 @@ class DDTreeProposer(DFlashProposer):
         self._draft_logits = logits
         return logits.argmax(dim=-1), None
 
-    def _chain_rows(self, num_reqs: int) -> torch.Tensor | None:
-        """[R] bool, the requests with structured output, whose drafts are a chain (`tree.build.chain_only_`);
-        None when there are none (the common case: no upload, no per-request loop)."""
-        if not self.structured_output_step:
-            return None
-        rows = structured_output_rows(self.model_runner, self.model_runner.input_batch.req_ids[:num_reqs])
-        if not any(rows):
-            return None
-        return to_device(np.array(rows, dtype=np.bool_), self._draft_logits.device)
-
     def propose(self, num_speculative_tokens: int, **kwargs) -> torch.Tensor:
         next_token_ids = kwargs["next_token_ids"]  # [R]
         num_reqs = next_token_ids.shape[0]
@@ -84,11 +69,7 @@ class DDTreeProposer(DFlashProposer):
         assert self._draft_logits is not None
         draft_logits = self._draft_logits.view(num_reqs, self.depth, -1)  # [R, D, V]
         self.last_tree = build_draft_tree(
-            draft_logits,
-            next_token_ids.to(torch.int64),
-            budget=self.budget,
-            max_topk=self.max_topk,
-            chain_rows=self._chain_rows(num_reqs),
+            draft_logits, next_token_ids.to(torch.int64), budget=self.budget, max_topk=self.max_topk
         )
         self._draft_logits = None
         if self.timer is not None:

@@ -9,6 +9,8 @@ One decode step, in the order vLLM calls the hooks:
   `_sample`                    target choice per node, walk, accepted path + bonus; move the path's KV in place;
                                positions back in chain order
   `propose_draft_token_ids`    run the drafter (the path's context rows moved to the front), build the next tree
+  `take_draft_token_ids`       the drafts for the scheduler, with the trees' parents of requests with structured
+                               output (`structured.py`)
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from vllm_ddtree.attention.metadata import (
     uniform_nodes,
 )
 from vllm_ddtree.kv.compact import compact_accepted_kv_, kv_for_the_walk, slot_mapping_of
+from vllm_ddtree.structured import attach_tree_parents
 from vllm_ddtree.tree import WalkResult
 from vllm_ddtree.verify.scorer import node_tokens, output_logprobs, walk_and_moves_
 from vllm_ddtree.verify.step import TreeStep, build_tree_step
@@ -52,6 +55,7 @@ class DDTreeRunnerState:
     attention: TreeAttentionMetadataBuilder | None = None
     kv_tables: dict = field(default_factory=dict)  # device address tables of the layers' caches (GPU)
     timer: object = None  # profiling.StepTimer when VLLM_DDTREE_PROFILE is set, else a no-op
+    structured_output_step: bool = True  # whether this step scheduled a request with structured output
 
     @property
     def width(self) -> int:
@@ -79,6 +83,19 @@ def remember_trees_(state: DDTreeRunnerState, tree, req_ids: list[str], live_req
     state.prev_parents = _concat(parents)
     state.prev_depths = _concat(depths)
     state.prev_rows = rows
+
+
+def constrained_tree_parents(state: DDTreeRunnerState, runner, req_ids: list[str]) -> dict[str, list[int]]:
+    """{request id: parents of its kept tree} for the requests of `req_ids` with structured output: the scheduler
+    computes their grammar masks node by node (`structured.py`). One small device-to-host copy, on such steps only."""
+    from vllm_ddtree.compat import structured_output_rows
+
+    constrained = [req_id for req_id, is_constrained in zip(req_ids, structured_output_rows(runner, req_ids))
+                   if is_constrained and req_id in state.prev_rows]  # fmt: skip
+    if not constrained or state.prev_parents is None:
+        return {}
+    rows = torch.tensor([state.prev_rows[req_id] for req_id in constrained], device=state.prev_parents.device)
+    return dict(zip(constrained, state.prev_parents[rows].tolist()))
 
 
 def _concat(parts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -118,7 +135,6 @@ def install_runner_hooks() -> None:
         LOGGER_NAME,
         GPUModelRunner,
         SamplerOutput,
-        drafts_before_placeholders,
         init_logger,
         prepare_inputs_outputs,
     )
@@ -194,7 +210,6 @@ def install_runner_hooks() -> None:
                 prev_rows,
                 state.width,
                 positions=self.positions,  # tree positions: root + depth
-                drafts_before_placeholders=drafts_before_placeholders(scheduler_output, self.input_batch.req_ids),
             )
         state.timer.mark("tree_layout")
         return result
@@ -271,11 +286,20 @@ def install_runner_hooks() -> None:
             state.timer.mark("vllm_sampler_output")
             self.drafter.accepted_path_moves = state.moves  # applied to the drafter's context (proposer.py)
             scheduler_output = args[0] if args else kwargs.get("scheduler_output")  # first in 0.26 and 0.32
-            self.drafter.structured_output_step = getattr(scheduler_output, "has_structured_output_requests", True)
+            state.structured_output_step = getattr(scheduler_output, "has_structured_output_requests", True)
         draft_token_ids = original(self, *args, **kwargs)
         if state is not None:
             state.timer.mark("draft_other")
             remember_trees_(state, self.drafter.last_tree, self.input_batch.req_ids, self.requests)
+        return draft_token_ids
+
+    @hook(GPUModelRunner, "take_draft_token_ids")
+    def take_draft_token_ids(original, self, *args, **kwargs):
+        draft_token_ids = original(self, *args, **kwargs)
+        state = self._ddtree
+        if state is not None and draft_token_ids is not None and state.structured_output_step:
+            parents = constrained_tree_parents(state, self, draft_token_ids.req_ids)
+            attach_tree_parents(draft_token_ids, parents)
         return draft_token_ids
 
 

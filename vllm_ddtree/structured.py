@@ -1,56 +1,158 @@
 """Structured output (JSON schema, regex, choice, grammar) for DDTree requests on the V1 model runner.
 
 vLLM's scheduler checks a request's drafts against its grammar and computes one token mask per draft position as if
-the drafts were a chain: the mask of draft i assumes drafts 1..i were accepted. A tree's nodes are not a chain, so a
-request with structured output drafts one: the drafter's argmax path, which `tree.build.chain_only_` puts first in
-its tree (nodes 1..L, L = min(B, D), in depth order), and the scheduler keeps those L drafts only
-(`install_chain_drafts_hook`). Such a request accepts what vLLM's DFlash chain would; the other requests of the
-batch keep their trees. DDTree's Model Runner V2 hooks (vLLM 0.26 on the GPU) do not draft chains yet, so requests
-with structured output are refused there (`requests.py`).
+the drafts were a chain: the mask of draft i assumes drafts 1..i-1 were accepted. A tree's nodes are not a chain, so
+for a request with structured output DDTree hands the scheduler its tree's parents with the drafts, and:
+
+- `update_draft_token_ids` (and `_in_output` under async scheduling) keeps all of the tree's nodes: vLLM's check would
+  cut the node list at the first node that does not follow the previous one (`take_tree_drafts`);
+- `grammar_bitmask` gives node i the mask of the grammar state after the tokens on node i's own path
+  (`tree_bitmask_rows`), computed by vLLM's own code one root-to-leaf path at a time. A node whose token its path's
+  grammar rejects gets its parent's mask: the target's masked choice at the parent never is that token, so the walk
+  never reaches it.
+
+The runner attaches the parents when it hands over the drafts (`attach_tree_parents`). Requests without structured
+output are untouched. DDTree's Model Runner V2 hooks (vLLM 0.26 on the GPU) do not pass parents yet, so requests with
+structured output are refused there (`requests.py`).
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
+import numpy as np
+
 from vllm_ddtree import config as ddtree_config
 
-
-def chain_length(speculative_config) -> int | None:
-    """L: the drafts a structured-output request keeps, min(budget, depth); None when the config is not DDTree's."""
-    settings = ddtree_config.settings_of(speculative_config)
-    if settings is None:
-        return None
-    return min(settings["budget"], settings["depth"])
+ATTRIBUTE = "ddtree_parents"  # on vLLM's DraftTokenIds ({req_id: parents}) and Request (parents of its drafts)
 
 
-def keep_chain_drafts_(requests: dict, draft_token_ids, length: int) -> None:
-    """Cut, in place, the drafts of every request with structured output to their first `length` tokens (its chain).
-    `draft_token_ids`: vLLM's `DraftTokenIds` (req_ids, one list of draft tokens per request)."""
+def tree_bitmask_rows(
+    tokens: list[int],  # [n] the scheduled drafts, node i + 1's token at i
+    parents: list[int],  # [n + 1] parent node of each node, -1 for the root (node 0)
+    valid_prefix: Callable[[list[int]], int],  # how many leading tokens of a path the grammar accepts
+    chain_rows: Callable[[list[int]], np.ndarray],  # [k + 1, W] vLLM's masks for a valid chain of k drafts
+) -> np.ndarray:
+    """[n + 1, W] one mask per node: the grammar state after the node's own path (module docstring)."""
+    n = len(tokens)
+    has_child = [False] * (n + 1)
+    for node in range(1, n + 1):
+        has_child[parents[node]] = True
+    rows: list[np.ndarray | None] = [None] * (n + 1)
+    for leaf in [node for node in range(n + 1) if not has_child[node]]:
+        path = []  # nodes from the root's child down to the leaf
+        node = leaf
+        while node > 0:
+            path.append(node)
+            node = parents[node]
+        path.reverse()
+        path_tokens = [tokens[node - 1] for node in path]
+        accepted = valid_prefix(path_tokens)
+        masks = chain_rows(path_tokens[:accepted])  # row j: after the path's first j tokens
+        rows[0] = masks[0]
+        for j in range(accepted):
+            rows[path[j]] = masks[j + 1]
+    for node in range(1, n + 1):  # nodes the grammar rejects (parents come first)
+        if rows[node] is None:
+            rows[node] = rows[parents[node]]
+    return np.stack(rows)
+
+
+def attach_tree_parents(draft_token_ids, parents_by_req: dict[str, list[int]]) -> None:
+    """Put the parents of the structured-output requests' trees on vLLM's `DraftTokenIds` (it travels to the
+    scheduler as it is, pickled where the worker is another process)."""
+    if parents_by_req:
+        setattr(draft_token_ids, ATTRIBUTE, parents_by_req)
+
+
+def take_tree_drafts(scheduler, draft_token_ids, scheduler_output=None):
+    """Take, for the scheduler, the drafts of the requests whose trees carry parents, as vLLM takes drafts but
+    without its chain check; return the `DraftTokenIds` of the other requests for vLLM's own code.
+
+    `scheduler_output` given: the async path (`update_draft_token_ids_in_output`): drafts replace the scheduled
+    placeholders, cut to their number. Otherwise `update_draft_token_ids`: they become the request's next drafts."""
+    parents_by_req = getattr(draft_token_ids, ATTRIBUTE, None) or {}
+    rest_ids, rest_drafts = [], []
     for req_id, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
-        request = requests.get(req_id)
-        if request is not None and request.use_structured_output:
-            del drafts[length:]
+        parents = parents_by_req.get(req_id)
+        request = scheduler.requests.get(req_id)
+        if parents is None:
+            if getattr(request, ATTRIBUTE, None) is not None:
+                setattr(request, ATTRIBUTE, None)  # these drafts are vLLM's to check, as a chain
+            rest_ids.append(req_id)
+            rest_drafts.append(drafts)
+            continue
+        if request is None or request.is_finished():
+            continue
+        if scheduler_output is not None:
+            scheduled = scheduler_output.scheduled_spec_decode_tokens
+            if not scheduled.get(req_id):
+                continue
+            drafts = list(drafts[: len(scheduled[req_id])])
+            scheduled[req_id] = drafts
+        elif request.is_prefill_chunk:
+            request.spec_token_ids = []
+            continue
+        else:
+            request.spec_token_ids = list(drafts)
+        setattr(request, ATTRIBUTE, list(parents[: len(drafts) + 1]))
+    return type(draft_token_ids)(rest_ids, rest_drafts)
 
 
-def install_chain_drafts_hook() -> None:
-    """Wrap the scheduler's two ways of taking drafts (`update_draft_token_ids`, and with async scheduling
-    `update_draft_token_ids_in_output`; 0.26 and 0.32) so a structured-output request's drafts are its chain
-    before vLLM validates them against the grammar. Idempotent; other methods pass through."""
-    from vllm_ddtree.compat import Scheduler
+def install_tree_mask_hooks() -> None:
+    """Wrap the scheduler's two ways of taking drafts and the structured-output manager's `grammar_bitmask`
+    (0.26 and 0.32) as the module docstring says. Idempotent; other methods and requests pass through."""
+    from vllm_ddtree.compat import Scheduler, StructuredOutputManager
 
     for name in ("update_draft_token_ids", "update_draft_token_ids_in_output"):
         original = getattr(Scheduler, name, None)
-        if original is None or getattr(original, "_ddtree_hook", False):
-            continue
-        setattr(Scheduler, name, _keeping_chains(original))
+        if original is not None and not getattr(original, "_ddtree_hook", False):
+            setattr(Scheduler, name, _taking_tree_drafts(original))
+    original = StructuredOutputManager.grammar_bitmask
+    if not getattr(original, "_ddtree_hook", False):
+        StructuredOutputManager.grammar_bitmask = _tree_bitmasks(original)
 
 
-def _keeping_chains(original):
+def _taking_tree_drafts(original):
     def update(self, draft_token_ids, *args, **kwargs):
-        length = chain_length(self.vllm_config.speculative_config)
-        if length is not None:
-            keep_chain_drafts_(self.requests, draft_token_ids, length)
+        if ddtree_config.settings_of(self.vllm_config.speculative_config) is not None:
+            scheduler_output = args[0] if args else kwargs.get("scheduler_output")
+            draft_token_ids = take_tree_drafts(self, draft_token_ids, scheduler_output)
         return original(self, draft_token_ids, *args, **kwargs)
 
     update._ddtree_hook = True
     update.__wrapped__ = original
     return update
+
+
+def _tree_bitmasks(original):
+    def grammar_bitmask(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens):
+        def is_tree(req_id: str) -> bool:  # the scheduler may have scheduled a prefix of the nodes: still a tree
+            parents = getattr(requests[req_id], ATTRIBUTE, None)
+            return parents is not None and len(parents) > len(scheduled_spec_decode_tokens.get(req_id, ()))
+
+        if not any(is_tree(req_id) for req_id in structured_output_request_ids):
+            return original(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens)
+
+        def masks(req_id: str, drafts: list[int]) -> np.ndarray:  # vLLM's rows for one request and a chain
+            return original(self, requests, [req_id], {req_id: drafts}).copy()  # its buffer is reused
+
+        pieces = []
+        for req_id in structured_output_request_ids:
+            drafts = scheduled_spec_decode_tokens.get(req_id, [])
+            if not is_tree(req_id):
+                pieces.append(masks(req_id, drafts))
+                continue
+            from vllm_ddtree.compat import grammar_valid_prefix
+
+            pieces.append(tree_bitmask_rows(
+                drafts,
+                getattr(requests[req_id], ATTRIBUTE)[: len(drafts) + 1],
+                lambda path, req_id=req_id: grammar_valid_prefix(self, requests[req_id], path),
+                lambda path, req_id=req_id: masks(req_id, path),
+            ))  # fmt: skip
+        return np.concatenate(pieces)
+
+    grammar_bitmask._ddtree_hook = True
+    grammar_bitmask.__wrapped__ = original
+    return grammar_bitmask

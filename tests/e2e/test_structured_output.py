@@ -1,10 +1,10 @@
 """Structured output with DDTree (vllm_ddtree/structured.py), on the real SmolLM2 pair (vLLM's CPU build, V1 model
-runner, float32): JSON schemas, regexes and choices in one batch with unconstrained requests.
+runner, float32): JSON schemas, regexes and choices in one batch with unconstrained requests, B = 32 against depth 15.
 
 Oracles: greedy answers token-identical to vLLM without speculation under the same constraints; sampled answers
-(T = 1) that satisfy their constraint; and, for constrained requests, the very drafts and acceptance of vLLM's DFlash
-chain. Without the chains (a tree's siblings masked as if they followed each other) the identity test fails: one
-regex answer came out garbled.
+(T = 1) that satisfy their constraint; constrained requests that keep the tree's gain over vLLM's DFlash chain. With
+vLLM's own chain masks on a tree (siblings masked as if they followed each other) the identity test fails: one regex
+answer came out garbled.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 ENGINE = dict(skip_tokenizer_init=False, max_model_len=1024)
 MAX_TOKENS = 48
-BUDGET = 32  # not the drafter's depth (15): a constrained request keeps min(B, D) = 15 drafts, the others 32
+BUDGET = 32  # not the drafter's depth (15)
 DEPTH = 15
 
 PERSON = {
@@ -110,10 +110,10 @@ def test_greedy_answers_match_no_speculation_under_the_same_constraints(smollm2,
     assert tree.acceptance_length > 1.3, tree.metrics
 
 
-def test_constrained_requests_draft_exactly_what_vllms_chain_drafts(smollm2, drafter, prompts):
-    """Constrained requests alone: DDTree drafts the same chains as vLLM's DFlash with D speculative tokens, so both
-    verify and accept the same drafts (seen on the CPU: acceptance 2.10 for both, where unconstrained requests
-    accept 2.83 with DDTree and 2.00 with the chain)."""
+def test_constrained_requests_keep_their_trees(smollm2, drafter, prompts):
+    """Constrained requests alone: the same answers as vLLM's DFlash chain with D speculative tokens, and more
+    accepted tokens a step (the grammar masks follow every tree path; a chain-only DDTree accepts what the chain
+    does)."""
     constrained = [i for i, (_, constraint) in enumerate(CASES) if constraint is not None]
     params = sampling_params(0.0)
     chosen_prompts, chosen_params = [prompts[i] for i in constrained], [params[i] for i in constrained]
@@ -122,10 +122,7 @@ def test_constrained_requests_draft_exactly_what_vllms_chain_drafts(smollm2, dra
     tree = run(smollm2, ddtree(drafter), chosen_prompts, chosen_params, **ENGINE)
 
     assert tree.token_ids == chain.token_ids
-    for name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-                 "vllm:spec_decode_num_accepted_tokens"):  # fmt: skip
-        assert tree.metrics[name] == chain.metrics[name], (name, tree.metrics, chain.metrics)
-    assert tree.acceptance_length > 1.3, tree.metrics
+    assert tree.acceptance_length > chain.acceptance_length + 0.2, (tree.metrics, chain.metrics)
 
 
 def test_sampled_answers_satisfy_their_constraints(smollm2, drafter, prompts):

@@ -68,20 +68,3 @@ def test_only_placeholders_without_any_kept_tree():
     walk = walk_step(step, torch.zeros(4, dtype=torch.int64), tokens, DEPTH)
     assert walk.num_accepted.tolist() == [0]
     assert sampled_token_ids(walk, WIDTH).tolist() == [[0, -1, -1, -1]]
-
-
-def test_grammar_placeholders_after_valid_drafts_are_never_accepted():
-    """With async scheduling vLLM replaces the drafts a request's grammar rejects by placeholders (clamped to token
-    0): a kept chain [10, 11, 12] whose last two drafts were rejected is scheduled as [10, -1, -1]. The walk stops
-    before the first placeholder even where the target's choice is the clamped token 0."""
-    tree = _kept_tree()
-    input_ids = torch.cat([tree.token_ids[0, :2], torch.tensor([0, 0])])  # [root, 10, 0 (was -1), 0 (was -1)]
-    step = build_tree_step([BUDGET], torch.arange(4), tree.parents, tree.depths, [0], WIDTH,
-                           drafts_before_placeholders=[1])  # fmt: skip
-    assert step.num_walk_nodes.tolist() == [2]
-
-    tokens = node_tokens(step, input_ids)
-    choices = torch.tensor([10, 0, 0, 0])  # the target takes the draft, then token 0 after it
-    walk = walk_step(step, choices, tokens, DEPTH)
-    assert walk.num_accepted.tolist() == [1]
-    assert sampled_token_ids(walk, WIDTH).tolist() == [[10, 0, -1, -1]]  # 10 accepted, 0 is the target's own token

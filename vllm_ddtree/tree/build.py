@@ -51,10 +51,7 @@ import torch
 
 from vllm_ddtree.tree.dispatch import use_triton, use_triton_top_k
 
-__all__ = [
-    "DraftTree", "build_draft_tree", "chain_only_", "max_tree_nodes", "top_tokens", "tree_from_top_tokens",
-    "trees_into_slots_",
-]
+__all__ = ["DraftTree", "build_draft_tree", "max_tree_nodes", "top_tokens", "tree_from_top_tokens", "trees_into_slots_"]
 
 
 @dataclass
@@ -287,34 +284,11 @@ def _check_args(draft_logits: torch.Tensor, root_token_ids: torch.Tensor, budget
         )
 
 
-# Subtracted from every rank >= 1 log-probability of a chain-only row (`chain_only_`). A rank-0 token's
-# log-probability is >= -ln(V) (>= -12 for V < 2^17; -21 for V < 2^30), so a path of D <= 400 such tokens scores
-# above -1e4 > any prefix holding one penalised token.
-CHAIN_ONLY_PENALTY = 1.0e4
-
-
-def chain_only_(
-    log_probs: torch.Tensor,  # [R, D, K] float32 per-depth top-K log-probabilities, non-increasing along K
-    chain_rows: torch.Tensor,  # [R] bool: requests whose drafts must be a chain
-) -> torch.Tensor:
-    """Make the first min(budget, D) nodes of a chain-only request's tree its per-depth argmax chain, in depth order.
-
-    Every rank >= 1 token of those rows is pushed below any rank-0 path (`CHAIN_ONLY_PENALTY`): their best prefixes
-    are the chain's, and the rest of the budget holds improbable but well-formed nodes (parents first, as always).
-    Ranks stay non-increasing, so the best-first order is unchanged in kind. vLLM's structured outputs compute one
-    grammar mask per draft position as if the drafts were a chain (`vllm_ddtree/structured.py`). In place; no sync.
-    """
-    off_chain = torch.arange(log_probs.shape[-1], device=log_probs.device) >= 1  # [K]
-    penalty = (chain_rows[:, None, None] & off_chain).to(log_probs.dtype) * CHAIN_ONLY_PENALTY  # [R, 1, K]
-    return log_probs.sub_(penalty)
-
-
 def build_draft_tree(
     draft_logits: torch.Tensor,
     root_token_ids: torch.Tensor,
     budget: int,
     max_topk: int | None = None,
-    chain_rows: torch.Tensor | None = None,
 ) -> DraftTree:
     """Best-`budget` draft tree per request from independent per-depth drafter logits.
 
@@ -323,8 +297,6 @@ def build_draft_tree(
         root_token_ids: [R] integer; the last verified token (the tree's root), on the same device.
         budget: number of draft nodes (the root excluded); N = budget + 1.
         max_topk: optional cap on the tokens considered per depth.
-        chain_rows: optional [R] bool; those requests' first min(budget, D) nodes are their argmax chain
-            (`chain_only_`).
 
     Returns a `DraftTree` on draft_logits' device; see the module docstring for the node order.
     On CUDA the selection after the top-k is one Triton launch (tree/triton_build.py, the same tree;
@@ -336,8 +308,6 @@ def build_draft_tree(
     _check_args(draft_logits, root_token_ids, budget, max_topk)
     vocab = draft_logits.shape[2]
     tok, lp = top_tokens(draft_logits, topk_per_depth(vocab, max_topk, budget))  # [R, D, K]
-    if chain_rows is not None:
-        chain_only_(lp, chain_rows)
     return tree_from_top_tokens(tok, lp, root_token_ids, budget)
 
 

@@ -57,7 +57,6 @@ def build_tree_step(
     prev_rows: list[int],  # [R] row of each request in prev_*, -1 where it has no drafts
     width: int,
     positions: torch.Tensor | None = None,  # [num_tokens] if given, tree positions are set (`tree_positions_`)
-    drafts_before_placeholders: list[int] | None = None,  # [R] the walk stops before a request's first placeholder
 ) -> TreeStep:
     device = logits_indices.device
     num_nodes_cpu = np.asarray(num_draft_tokens, dtype=np.int64) + 1
@@ -75,8 +74,6 @@ def build_tree_step(
     kept = has_drafts & (prev_parents is not None)
     kept_rows_cpu = np.where(kept, np.asarray(prev_rows, dtype=np.int64), -1)
     num_walk_nodes_cpu = np.where(has_drafts & (kept_rows_cpu < 0), 1, num_nodes_cpu)
-    if drafts_before_placeholders is not None:  # drafts vLLM's grammar rejected (`compat.drafts_before_placeholders`)
-        num_walk_nodes_cpu = np.minimum(num_walk_nodes_cpu, np.asarray(drafts_before_placeholders, np.int64) + 1)
     # One host-to-device upload for every host-side index of the step: [R | R*N | R*N | T | R | R].
     packed = to_device(np.concatenate([num_nodes_cpu, (row_start[:, None] + node_cpu).ravel(), node_cpu.ravel(),
                                        tree_reqs_cpu, kept_rows_cpu, num_walk_nodes_cpu]), device)

@@ -1,0 +1,145 @@
+"""Structured output with DDTree (vllm_ddtree/structured.py): one grammar mask per tree node, from its own path.
+
+Oracle: a small grammar stepped along each node's path by brute force. The end-to-end checks against vLLM without
+speculation are tests/e2e/test_structured_output.py and tests/serve/test_openai_api.py.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from vllm_ddtree.structured import ATTRIBUTE, take_tree_drafts, tree_bitmask_rows
+
+VOCAB = 6
+
+
+def allowed_after(path: list[int]) -> np.ndarray | None:
+    """[VOCAB] 0/1 mask of the toy grammar after `path`, None if `path` breaks it: tokens must not fall by more than
+    one, and token 5 ends the text (nothing may follow it except 5)."""
+    for previous, token in zip([0] + path, path):
+        if token < previous - 1 or (previous == 5 and token != 5):
+            return None
+    last = path[-1] if path else 0
+    return np.array([int((t >= last - 1) and (last != 5 or t == 5)) for t in range(VOCAB)], dtype=np.int32)
+
+
+def valid_prefix(path: list[int]) -> int:
+    return max(k for k in range(len(path) + 1) if allowed_after(path[:k]) is not None)
+
+
+def chain_rows(calls: list, path: list[int]) -> np.ndarray:
+    calls.append(list(path))
+    assert allowed_after(path) is not None, "vLLM's masks are asked for a valid chain only"
+    return np.stack([allowed_after(path[:j]) for j in range(len(path) + 1)])
+
+
+def random_tree(rng: random.Random, num_nodes: int) -> tuple[list[int], list[int]]:
+    parents = [-1] + [rng.randrange(node) for node in range(1, num_nodes + 1)]
+    tokens = [rng.randrange(VOCAB) for _ in range(num_nodes)]
+    return tokens, parents
+
+
+def path_of(node: int, tokens: list[int], parents: list[int]) -> list[int]:
+    path = []
+    while node > 0:
+        path.append(tokens[node - 1])
+        node = parents[node]
+    return path[::-1]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_every_reachable_node_gets_the_mask_of_its_own_path(seed):
+    rng = random.Random(seed)
+    tokens, parents = random_tree(rng, rng.randrange(0, 20))
+    calls = []
+    rows = tree_bitmask_rows(tokens, parents, valid_prefix, lambda path: chain_rows(calls, path))
+
+    assert rows.shape == (len(tokens) + 1, VOCAB)
+    for node in range(len(tokens) + 1):
+        expected = allowed_after(path_of(node, tokens, parents))
+        if expected is not None:
+            assert rows[node].tolist() == expected.tolist(), (node, tokens, parents)
+        else:  # a node the grammar rejects: its parent's mask, which never lets the walk reach it
+            assert rows[node].tolist() == rows[parents[node]].tolist()
+            assert rows[parents[node]][tokens[node - 1]] == 0 or allowed_after(
+                path_of(parents[node], tokens, parents)) is None  # fmt: skip
+
+
+def test_a_chain_is_masked_as_vllm_masks_it():
+    tokens, parents = [1, 2, 2, 1], [-1, 0, 1, 2, 3]
+    rows = tree_bitmask_rows(tokens, parents, valid_prefix, lambda path: chain_rows([], path))
+    assert rows.tolist() == chain_rows([], tokens).tolist()
+
+
+def scheduler_with(*req_ids, prefill_chunk=()):
+    requests = {
+        req_id: SimpleNamespace(is_finished=lambda: False, is_prefill_chunk=req_id in prefill_chunk, spec_token_ids=[])
+        for req_id in req_ids
+    }
+    return SimpleNamespace(requests=requests)
+
+
+def drafts_of(req_ids, drafts, parents=None):
+    """vLLM's own `DraftTokenIds`, with the parents the runner attaches."""
+    from vllm.v1.outputs import DraftTokenIds
+
+    draft_token_ids = DraftTokenIds(list(req_ids), [list(d) for d in drafts])
+    if parents is not None:
+        setattr(draft_token_ids, ATTRIBUTE, parents)
+    return draft_token_ids
+
+
+def test_the_scheduler_takes_a_trees_drafts_unchecked_and_leaves_the_rest_to_vllm():
+    scheduler = scheduler_with("json", "free", "chunk", prefill_chunk=("chunk",))
+    tree = [-1, 0, 0, 1, 1]
+    drafts = drafts_of(["json", "free", "chunk"], [[5, 6, 7, 8], [1, 2], [3, 4]], {"json": tree, "chunk": tree})
+
+    rest = take_tree_drafts(scheduler, drafts)
+
+    assert (rest.req_ids, rest.draft_token_ids) == (["free"], [[1, 2]])
+    assert scheduler.requests["json"].spec_token_ids == [5, 6, 7, 8]
+    assert getattr(scheduler.requests["json"], ATTRIBUTE) == tree
+    assert scheduler.requests["chunk"].spec_token_ids == []
+
+
+def test_async_scheduling_fills_the_scheduled_placeholders_with_a_prefix_of_the_tree():
+    scheduler = scheduler_with("json")
+    scheduled = {"json": [-1, -1, -1]}
+    drafts = drafts_of(["json"], [[5, 6, 7, 8]], {"json": [-1, 0, 0, 1, 1]})
+
+    rest = take_tree_drafts(scheduler, drafts, SimpleNamespace(scheduled_spec_decode_tokens=scheduled))
+
+    assert rest.req_ids == []
+    assert scheduled["json"] == [5, 6, 7]
+    assert getattr(scheduler.requests["json"], ATTRIBUTE) == [-1, 0, 0, 1]
+
+
+def test_drafts_without_parents_clear_a_requests_old_parents():
+    scheduler = scheduler_with("json")
+    setattr(scheduler.requests["json"], ATTRIBUTE, [-1, 0])
+    rest = take_tree_drafts(scheduler, drafts_of(["json"], [[5]]))
+    assert rest.req_ids == ["json"]
+    assert getattr(scheduler.requests["json"], ATTRIBUTE) is None
+
+
+@pytest.mark.parametrize("runner,refused", [("v1", False), ("v2", True)])
+def test_structured_output_is_refused_where_ddtree_may_run_model_runner_v2(monkeypatch, runner, refused):
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from vllm_ddtree.requests import unsupported_reason
+
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", runner)
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+    problem = unsupported_reason(params)
+    if not refused:
+        assert problem is None
+        return
+    parameter, why = problem
+    assert parameter == "structured_outputs"
+    assert "VLLM_DDTREE_RUNNER=v1" in why and "structured output" in why
