@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def timed_grammar_bitmask(times: list[float]):
+    """Time every `grammar_bitmask` call into `times`; returns the method it wraps, to put back."""
     from vllm_ddtree.compat import StructuredOutputManager
 
     wrapped = StructuredOutputManager.grammar_bitmask
@@ -49,6 +50,7 @@ def main() -> None:
 
     from tests.e2e import test_structured_output as cases
     from tests.e2e.engine import run
+    from vllm_ddtree.compat import StructuredOutputManager
     from vllm_ddtree.drafters import default_drafter_dir
     from vllm_ddtree.models.smollm2 import convert_smollm2
 
@@ -56,11 +58,7 @@ def main() -> None:
     drafter = str(default_drafter_dir())
     tokenizer = AutoTokenizer.from_pretrained(target)
     constrained = [i for i, (_, constraint) in enumerate(cases.CASES) if constraint is not None]
-    prompts = []
-    for i in constrained:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": cases.CASES[i][0]}], tokenize=False,
-                                             add_generation_prompt=True)  # fmt: skip
-        prompts.append(tokenizer(text, add_special_tokens=False).input_ids)
+    prompts = [cases.encode(tokenizer, cases.CASES[i][0]) for i in constrained]
     params = [cases.sampling_params(0.0)[i] for i in constrained]
 
     methods = [("dflash (15 tokens)", {"method": "dflash", "model": drafter, "num_speculative_tokens": cases.DEPTH})]
@@ -73,8 +71,6 @@ def main() -> None:
         try:
             result = run(target, spec, prompts, params, **cases.ENGINE)
         finally:
-            from vllm_ddtree.compat import StructuredOutputManager
-
             StructuredOutputManager.grammar_bitmask = wrapped
         rows.append({
             "method": name,

@@ -29,7 +29,6 @@ def register() -> None:
     from vllm_ddtree.metrics import install_metrics
     from vllm_ddtree.requests import install_request_hook
     from vllm_ddtree.runner import install_runner_hooks
-
     from vllm_ddtree.structured import install_tree_mask_hooks
 
     install_config_hook()

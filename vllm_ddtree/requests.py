@@ -20,8 +20,8 @@ def unsupported_reason(params) -> tuple[str, str] | None:
 
 
 def _structured_output_refusal() -> str | None:
-    """Why DDTree refuses structured output in this process's engines (DDTree's Model Runner V2 hooks do not draft
-    chains for it yet: `structured.py`), or None where it runs the V1 hooks."""
+    """Why DDTree refuses structured output in this process's engines (DDTree's Model Runner V2 hooks do not hand
+    the scheduler the trees' parents yet: `structured.py`), or None where it runs the V1 hooks."""
     from vllm_ddtree.compat import RUNNER_ENV, ddtree_may_run_on_model_runner_v2
 
     if not ddtree_may_run_on_model_runner_v2():

@@ -71,7 +71,13 @@ def take_tree_drafts(scheduler, draft_token_ids, scheduler_output=None):
 
     `scheduler_output` given: the async path (`update_draft_token_ids_in_output`): drafts replace the scheduled
     placeholders, cut to their number. Otherwise `update_draft_token_ids`: they become the request's next drafts."""
-    parents_by_req = getattr(draft_token_ids, ATTRIBUTE, None) or {}
+    parents_by_req = getattr(draft_token_ids, ATTRIBUTE, None)
+    if not parents_by_req:  # no constrained tree this step: vLLM takes every draft; forget older parents
+        for req_id in draft_token_ids.req_ids:
+            request = scheduler.requests.get(req_id)
+            if getattr(request, ATTRIBUTE, None) is not None:
+                setattr(request, ATTRIBUTE, None)
+        return draft_token_ids
     rest_ids, rest_drafts = [], []
     for req_id, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
         parents = parents_by_req.get(req_id)
@@ -126,6 +132,8 @@ def _taking_tree_drafts(original):
 
 
 def _tree_bitmasks(original):
+    from vllm_ddtree.compat import grammar_valid_prefix
+
     def grammar_bitmask(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens):
         def is_tree(req_id: str) -> bool:  # the scheduler may have scheduled a prefix of the nodes: still a tree
             parents = getattr(requests[req_id], ATTRIBUTE, None)
@@ -143,8 +151,6 @@ def _tree_bitmasks(original):
             if not is_tree(req_id):
                 pieces.append(masks(req_id, drafts))
                 continue
-            from vllm_ddtree.compat import grammar_valid_prefix
-
             pieces.append(tree_bitmask_rows(
                 drafts,
                 getattr(requests[req_id], ATTRIBUTE)[: len(drafts) + 1],

@@ -60,16 +60,19 @@ def satisfies(text: str, constraint: dict) -> bool:
     return text in constraint["choice"]
 
 
+def encode(tokenizer, message: str) -> list[int]:
+    """A user message in the target's chat template, as token ids."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                         add_generation_prompt=True)  # fmt: skip
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
 @pytest.fixture(scope="module")
 def prompts(smollm2) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2)
-    texts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": m}], tokenize=False, add_generation_prompt=True)
-        for m, _ in CASES
-    ]
-    return [tokenizer(text, add_special_tokens=False).input_ids for text in texts]
+    return [encode(tokenizer, message) for message, _ in CASES]
 
 
 def sampling_params(temperature: float, seed: int | None = None) -> list:

@@ -266,7 +266,8 @@ STRUCTURED_REQUESTS = {
 
 @pytest.mark.parametrize("name", sorted(STRUCTURED_REQUESTS))
 def test_structured_output_matches_no_speculation(client, plain_client, name):
-    """The CPU build runs DDTree's V1 hooks, where a constrained request drafts a chain (vllm_ddtree/structured.py)."""
+    """The CPU build runs DDTree's V1 hooks, where each tree node gets its own path's grammar mask
+    (vllm_ddtree/structured.py)."""
     request = STRUCTURED_REQUESTS[name]
     assert summary(request(client)) == summary(request(plain_client))
 

@@ -31,8 +31,7 @@ def valid_prefix(path: list[int]) -> int:
     return max(k for k in range(len(path) + 1) if allowed_after(path[:k]) is not None)
 
 
-def chain_rows(calls: list, path: list[int]) -> np.ndarray:
-    calls.append(list(path))
+def chain_rows(path: list[int]) -> np.ndarray:
     assert allowed_after(path) is not None, "vLLM's masks are asked for a valid chain only"
     return np.stack([allowed_after(path[:j]) for j in range(len(path) + 1)])
 
@@ -55,8 +54,7 @@ def path_of(node: int, tokens: list[int], parents: list[int]) -> list[int]:
 def test_every_reachable_node_gets_the_mask_of_its_own_path(seed):
     rng = random.Random(seed)
     tokens, parents = random_tree(rng, rng.randrange(0, 20))
-    calls = []
-    rows = tree_bitmask_rows(tokens, parents, valid_prefix, lambda path: chain_rows(calls, path))
+    rows = tree_bitmask_rows(tokens, parents, valid_prefix, chain_rows)
 
     assert rows.shape == (len(tokens) + 1, VOCAB)
     for node in range(len(tokens) + 1):
@@ -71,8 +69,8 @@ def test_every_reachable_node_gets_the_mask_of_its_own_path(seed):
 
 def test_a_chain_is_masked_as_vllm_masks_it():
     tokens, parents = [1, 2, 2, 1], [-1, 0, 1, 2, 3]
-    rows = tree_bitmask_rows(tokens, parents, valid_prefix, lambda path: chain_rows([], path))
-    assert rows.tolist() == chain_rows([], tokens).tolist()
+    rows = tree_bitmask_rows(tokens, parents, valid_prefix, chain_rows)
+    assert rows.tolist() == chain_rows(tokens).tolist()
 
 
 def scheduler_with(*req_ids, prefill_chunk=()):
