@@ -1,10 +1,11 @@
 """Host cost of structured output with DDTree: time in vLLM's `grammar_bitmask` per scheduler step, and acceptance,
 for vLLM's DFlash chain and DDTree at a few budgets, on the e2e test's constrained prompts (SmolLM2 pair, greedy).
 
-DDTree gives every tree node the grammar mask of its own path (vllm_ddtree/structured.py), one mask fill per node
-on each root-to-leaf path; the chain fills one mask per draft. Prints a table and writes JSON.
+DDTree gives every tree node the grammar mask of its own path (vllm_ddtree/structured.py): one walk down the tree,
+a fill, an accept and a rollback per node; the chain fills one mask and accepts one token per draft. Prints a table
+and writes JSON.
 
-    python scripts/bench_structured_output.py [--budgets 8 16 32 64] [--out docs/results/session-40/so_bench.json]
+    python scripts/bench_structured_output.py [--budgets 8 16 32 64] [--out docs/results/session-41/so_bench.json]
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def timed_grammar_bitmask(times: list[float]):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64])
-    parser.add_argument("--out", default="docs/results/session-40/so_bench.json")
+    parser.add_argument("--out", default="docs/results/session-41/so_bench.json")
     args = parser.parse_args()
 
     import vllm_ddtree

@@ -352,6 +352,16 @@ def structured_output_rows(runner, req_ids: list[str]) -> list[bool]:
     return rows
 
 
+def grammar_constrains_whole_window(manager, request) -> bool:
+    """Whether a structured-output request's grammar masks and advances on every token of its next drafts, with no
+    reasoning before them: `_get_constraint_bounds(request, ()) == (0, 0)` (0.32, 0.33: (1, 1) while reasoning goes
+    on), `should_fill_bitmask` (0.26)."""
+    bounds = getattr(manager, "_get_constraint_bounds", None)
+    if bounds is not None:
+        return tuple(bounds(request, ())) == (0, 0)
+    return bool(manager.should_fill_bitmask(request))
+
+
 def grammar_valid_prefix(manager, request, tokens: list[int]) -> int:
     """How many leading `tokens` a structured-output request's grammar accepts from its current state, state left
     as it was: `StructuredOutputManager.validate_tokens` (0.32, 0.33: it also skips tokens before a reasoning end);

@@ -6,10 +6,12 @@ for a request with structured output DDTree hands the scheduler its tree's paren
 
 - `update_draft_token_ids` (and `_in_output` under async scheduling) keeps all of the tree's nodes: vLLM's check would
   cut the node list at the first node that does not follow the previous one (`take_tree_drafts`);
-- `grammar_bitmask` gives node i the mask of the grammar state after the tokens on node i's own path
-  (`tree_bitmask_rows`), computed by vLLM's own code one root-to-leaf path at a time. A node whose token its path's
-  grammar rejects gets its parent's mask: the target's masked choice at the parent never is that token, so the walk
-  never reaches it.
+- `grammar_bitmask` gives node i the mask of the grammar state after the tokens on node i's own path. Where the
+  grammar constrains the request's whole window (no reasoning still going on: the common case), one walk down the
+  tree fills each node's mask once with the grammar's own calls (`fill_tree_bitmask_`); otherwise vLLM's code,
+  which knows where reasoning ends, computes them one root-to-leaf path at a time (`tree_bitmask_rows`). A node
+  whose token its path's grammar rejects gets its parent's mask: the target's masked choice at the parent never is
+  that token, so the walk never reaches it.
 
 The runner attaches the parents when it hands over the drafts (`attach_tree_parents`). Requests without structured
 output are untouched. DDTree's Model Runner V2 hooks (vLLM 0.26 on the GPU) do not pass parents yet, so requests with
@@ -58,6 +60,43 @@ def tree_bitmask_rows(
     return np.stack(rows)
 
 
+def fill_tree_bitmask_(
+    rows,  # [n + 1, W] torch.int32, the grammar backend's bitmask layout: filled
+    tokens: list[int],  # [n] node i + 1's token at i
+    parents: list[int],  # [n + 1] parent node of each node, -1 for the root (node 0)
+    grammar,  # vLLM's StructuredOutputGrammar at the request's current state; left in it
+    req_id: str,
+) -> None:
+    """One mask per node, the grammar's after the node's own path, in one walk down the tree: each node's token
+    accepted on the way down and rolled back on the way up, one fill per node. A grammar that has ended masks
+    nothing (vLLM's rule); a node whose token the grammar rejects gets, with its subtree, its parent's mask. A token
+    is offered to the grammar only where its parent's mask allows it (backends log every token they reject)."""
+    children: list[list[int]] = [[] for _ in range(len(tokens) + 1)]
+    for node in range(1, len(tokens) + 1):
+        children[parents[node]].append(node)
+
+    def copy_subtree(source: int, node: int) -> None:
+        rows[node].copy_(rows[source])
+        for child in children[node]:
+            copy_subtree(source, child)
+
+    def visit(node: int) -> None:
+        if grammar.is_terminated():
+            rows[node].fill_(-1)
+        else:
+            grammar.fill_bitmask(rows, node)
+        for child in children[node]:
+            token = tokens[child - 1]
+            allowed = (int(rows[node, token >> 5]) >> (token & 31)) & 1  # bit set: allowed
+            if allowed and not grammar.is_terminated() and grammar.accept_tokens(req_id, [token]):
+                visit(child)
+                grammar.rollback(1)
+            else:
+                copy_subtree(node, child)
+
+    visit(0)
+
+
 def attach_tree_parents(draft_token_ids, parents_by_req: dict[str, list[int]]) -> None:
     """Put the parents of the structured-output requests' trees on vLLM's `DraftTokenIds` (it travels to the
     scheduler as it is, pickled where the worker is another process)."""
@@ -82,6 +121,8 @@ def take_tree_drafts(scheduler, draft_token_ids, scheduler_output=None):
     for req_id, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
         parents = parents_by_req.get(req_id)
         request = scheduler.requests.get(req_id)
+        if parents is not None and request is not None and request.structured_output_request is None:
+            parents = None  # a tree without a grammar: vLLM's to take
         if parents is None:
             if getattr(request, ATTRIBUTE, None) is not None:
                 setattr(request, ATTRIBUTE, None)  # these drafts are vLLM's to check, as a chain
@@ -132,7 +173,7 @@ def _taking_tree_drafts(original):
 
 
 def _tree_bitmasks(original):
-    from vllm_ddtree.compat import grammar_valid_prefix
+    from vllm_ddtree.compat import grammar_constrains_whole_window, grammar_valid_prefix
 
     def grammar_bitmask(self, requests, structured_output_request_ids, scheduled_spec_decode_tokens):
         def is_tree(req_id: str) -> bool:  # the scheduler may have scheduled a prefix of the nodes: still a tree
@@ -151,10 +192,16 @@ def _tree_bitmasks(original):
             if not is_tree(req_id):
                 pieces.append(masks(req_id, drafts))
                 continue
+            request, parents = requests[req_id], getattr(requests[req_id], ATTRIBUTE)[: len(drafts) + 1]
+            if -1 not in drafts and grammar_constrains_whole_window(self, request):
+                rows = self.backend.allocate_token_bitmask(len(drafts) + 1)  # [n + 1, W]
+                fill_tree_bitmask_(rows, drafts, parents, request.structured_output_request.grammar, req_id)
+                pieces.append(rows.numpy())
+                continue
             pieces.append(tree_bitmask_rows(
                 drafts,
-                getattr(requests[req_id], ATTRIBUTE)[: len(drafts) + 1],
-                lambda path, req_id=req_id: grammar_valid_prefix(self, requests[req_id], path),
+                parents,
+                lambda path, request=request: grammar_valid_prefix(self, request, path),
                 lambda path, req_id=req_id: masks(req_id, path),
             ))  # fmt: skip
         return np.concatenate(pieces)

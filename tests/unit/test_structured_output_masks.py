@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from vllm_ddtree.structured import ATTRIBUTE, take_tree_drafts, tree_bitmask_rows
+from vllm_ddtree.structured import ATTRIBUTE, fill_tree_bitmask_, take_tree_drafts, tree_bitmask_rows
 
 VOCAB = 6
 
@@ -67,17 +67,83 @@ def test_every_reachable_node_gets_the_mask_of_its_own_path(seed):
                 path_of(parents[node], tokens, parents)) is None  # fmt: skip
 
 
+class ToyGrammar:
+    """The toy grammar behind vLLM's `StructuredOutputGrammar` calls; with `ends_at_5`, token 5 ends it instead."""
+
+    def __init__(self, ends_at_5: bool = False):
+        self.path: list[int] = []
+        self.ends_at_5 = ends_at_5
+
+    def is_terminated(self) -> bool:
+        return self.ends_at_5 and self.path[-1:] == [5]
+
+    def accept_tokens(self, req_id: str, tokens: list[int]) -> bool:
+        assert not self.is_terminated()
+        assert allowed_after(self.path + tokens) is not None, "offered a token its mask forbids"
+        self.path += tokens
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        del self.path[len(self.path) - num_tokens :]
+
+    def fill_bitmask(self, rows, index: int) -> None:
+        rows[index, 0] = packed(allowed_after(self.path))
+
+
+def packed(mask: np.ndarray) -> int:
+    """A [VOCAB] 0/1 mask as vLLM's grammar backends store it: bit t of a row's int32 words is token t."""
+    return sum(int(allowed) << token for token, allowed in enumerate(mask))
+
+
+def walked_rows(tokens, parents, grammar) -> np.ndarray:
+    """[n + 1, VOCAB] the walk's masks, unpacked (-1: a grammar that has ended masks nothing)."""
+    import torch
+
+    rows = torch.full((len(tokens) + 1, 1), 1 << 30, dtype=torch.int32)  # poisoned: every row must be written
+    fill_tree_bitmask_(rows, tokens, parents, grammar, "req")
+    assert grammar.path == [], "the walk leaves the grammar as it found it"
+    words = rows[:, 0].tolist()
+    return np.array([[-1] * VOCAB if word == -1 else [(word >> t) & 1 for t in range(VOCAB)] for word in words])
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_one_walk_down_the_tree_gives_each_node_the_mask_of_its_path(seed):
+    rng = random.Random(seed)
+    tokens, parents = random_tree(rng, rng.randrange(0, 20))
+    walked = walked_rows(tokens, parents, ToyGrammar())
+    assert walked.tolist() == tree_bitmask_rows(tokens, parents, valid_prefix, chain_rows).tolist()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_grammar_that_has_ended_masks_nothing_and_accepts_nothing(seed):
+    rng = random.Random(seed)
+    tokens, parents = random_tree(rng, rng.randrange(1, 20))
+    rows = walked_rows(tokens, parents, ToyGrammar(ends_at_5=True))
+    for node in range(len(tokens) + 1):
+        path = path_of(node, tokens, parents)
+        ended = [j for j, token in enumerate(path) if token == 5][:1]  # where the grammar ends, if it does
+        if ended and ended[0] < len(path) - 1 or allowed_after(path) is None:  # rejected: its parent's mask
+            expected = None
+        else:
+            expected = np.full(VOCAB, -1) if ended else allowed_after(path)
+        if expected is None:
+            assert rows[node].tolist() == rows[parents[node]].tolist()
+        else:
+            assert rows[node].tolist() == expected.tolist(), (node, path)
+
+
 def test_a_chain_is_masked_as_vllm_masks_it():
     tokens, parents = [1, 2, 2, 1], [-1, 0, 1, 2, 3]
     rows = tree_bitmask_rows(tokens, parents, valid_prefix, chain_rows)
     assert rows.tolist() == chain_rows(tokens).tolist()
 
 
-def scheduler_with(*req_ids, prefill_chunk=()):
+def scheduler_with(*req_ids, prefill_chunk=(), unconstrained=()):
     requests = {
-        req_id: SimpleNamespace(is_finished=lambda: False, is_prefill_chunk=req_id in prefill_chunk, spec_token_ids=[])
+        req_id: SimpleNamespace(is_finished=lambda: False, is_prefill_chunk=req_id in prefill_chunk, spec_token_ids=[],
+                                structured_output_request=None if req_id in unconstrained else object())
         for req_id in req_ids
-    }
+    }  # fmt: skip
     return SimpleNamespace(requests=requests)
 
 
@@ -92,7 +158,7 @@ def drafts_of(req_ids, drafts, parents=None):
 
 
 def test_the_scheduler_takes_a_trees_drafts_unchecked_and_leaves_the_rest_to_vllm():
-    scheduler = scheduler_with("json", "free", "chunk", prefill_chunk=("chunk",))
+    scheduler = scheduler_with("json", "free", "chunk", prefill_chunk=("chunk",), unconstrained=("free",))
     tree = [-1, 0, 0, 1, 1]
     drafts = drafts_of(["json", "free", "chunk"], [[5, 6, 7, 8], [1, 2], [3, 4]], {"json": tree, "chunk": tree})
 
@@ -102,6 +168,16 @@ def test_the_scheduler_takes_a_trees_drafts_unchecked_and_leaves_the_rest_to_vll
     assert scheduler.requests["json"].spec_token_ids == [5, 6, 7, 8]
     assert getattr(scheduler.requests["json"], ATTRIBUTE) == tree
     assert scheduler.requests["chunk"].spec_token_ids == []
+
+
+def test_trees_of_unconstrained_requests_stay_vllms_to_take():
+    """Model Runner V2 attaches the parents of every request of a batch with structured output."""
+    scheduler = scheduler_with("json", "free", unconstrained=("free",))
+    tree = [-1, 0, 0]
+    rest = take_tree_drafts(scheduler, drafts_of(["json", "free"], [[5, 6], [1, 2]], {"json": tree, "free": tree}))
+    assert (rest.req_ids, rest.draft_token_ids) == (["free"], [[1, 2]])
+    assert getattr(scheduler.requests["free"], ATTRIBUTE, None) is None
+    assert getattr(scheduler.requests["json"], ATTRIBUTE) == tree
 
 
 def test_async_scheduling_fills_the_scheduled_placeholders_with_a_prefix_of_the_tree():
