@@ -9,8 +9,8 @@ query rows per request). For each (batch, context):
             (what vLLM's backend runs for a chain verification step of N tokens)
   fa3_ctx   FA3 over the context only, non-causal, returning the LSE: part (a) of a split design
   tree_only our kernel on the tree keys alone (context 0): an upper bound of part (b) of a split design
-  split_MxN the split path with the tree part's launch at BLOCK_M x BLOCK_N (--split-blocks, an A/B of its block
-            sizes; `split` is the shipped choice)
+  split_MxN[xWxS]  the split path with the tree part's launch at BLOCK_M x BLOCK_N (num_warps W, num_stages S;
+            --split-blocks, an A/B of its launch; `split` is the shipped choice)
 Every variant rotates over enough caches that the working set exceeds the L2. Times are medians of
 `triton.testing.do_bench` (eager calls: small cases then time the host's launches), or with --cuda-graphs of
 CUDA-graph replays (GPU time, as inside vLLM's FULL graphs). Writes JSON to --out and prints a table.
@@ -65,8 +65,8 @@ def _split_tree(case):
     return dataclasses.replace(case.tree, cu_seqlens_q=cu_q, context_lens=context_lens, covers_all_tokens=True)
 
 
-def _split(case, tree, out, block_sizes=None):
-    split_tree_attention_(case.query, case.kv.keys, case.kv.values, tree, case.scale, out, block_sizes)
+def _split(case, tree, out, launch=None):
+    split_tree_attention_(case.query, case.kv.keys, case.kv.values, tree, case.scale, out, launch)
 
 
 def _fa3_inputs(case, context_only: bool):
@@ -118,9 +118,9 @@ def bench_attention(batches, contexts, budget, rep_ms, graphs: bool, split_block
                 "fa3_ctx": time_it(_rotating(cases, lambda c: _fa3(fa, c, fa_ctx_in[id(c)], False, True))),
                 "tree_only": time_it(_rotating(tree_only, lambda c: _tree(c, out0))),
             }
-            for bm, bn in split_blocks:
-                times[f"split_{bm}x{bn}"] = time_it(
-                    _rotating(cases, lambda c, b=(bm, bn): _split(c, split_trees[id(c)], out, b)))
+            for launch in split_blocks:
+                times["split_" + "x".join(map(str, launch))] = time_it(
+                    _rotating(cases, lambda c, b=launch: _split(c, split_trees[id(c)], out, b)))
             row = {"batch": batch, "context": ctx, "budget": budget, "kv_MB": kv_bytes / 2**20, **times}
             row["tree_vs_fa3"] = times["fa3"] / times["tree"]
             row["split_vs_fa3"] = times["fa3"] / times["split"]  # the throughput ratio (goal >= 0.8)
@@ -194,7 +194,9 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="time CUDA-graph replays (GPU time, as in vLLM's FULL graphs) instead of eager calls")
     parser.add_argument("--split-blocks", default="",
-                        help="BLOCK_MxBLOCK_N list for the split path's tree launch, e.g. 16x16,32x16 (A/B columns)")
+                        help="BLOCK_MxBLOCK_N[xWARPS[xSTAGES]] list for the split path's tree launch, e.g. "
+                             "16x16,32x16x2x1 (A/B columns)")
+    parser.add_argument("--no-compaction", action="store_true", help="skip the KV compaction timings")
     args = parser.parse_args()
     split_blocks = [tuple(int(v) for v in b.split("x")) for b in args.split_blocks.split(",") if b]
     batches = [int(x) for x in args.batches.split(",")]
@@ -203,13 +205,19 @@ def main() -> None:
               "chain_check_rel_err": chain_check(args.budget)}
     print("chain check (our paths on chain trees vs FA3 causal), relative errors:", result["chain_check_rel_err"])
     result["attention"] = bench_attention(batches, contexts, args.budget, args.rep_ms, args.cuda_graphs, split_blocks)
-    result["compaction"] = bench_compaction(batches, args.budget, args.rep_ms)
+    if not args.no_compaction:
+        result["compaction"] = bench_compaction(batches, args.budget, args.rep_ms)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print("\n| batch | context | split us | FA3 causal us | FA3/split | one-pass us | FA3/one-pass |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in result["attention"]:
         print(f"| {r['batch']} | {r['context']} | {r['split'] * 1e3:.1f} | {r['fa3'] * 1e3:.1f} | {r['split_vs_fa3']:.2f} "
               f"| {r['tree'] * 1e3:.1f} | {r['tree_vs_fa3']:.2f} |")  # fmt: skip
+    for r in result["attention"]:  # the A/B launches: FA3 causal / split at each
+        ab = {k: r["fa3"] / v for k, v in r.items() if k.startswith("split_") and k != "split_vs_fa3"
+              and k != "split_estimate"}
+        if ab:
+            print(f"b={r['batch']} ctx={r['context']} FA3/split: " + "  ".join(f"{k} {v:.2f}" for k, v in ab.items()))
 
 
 if __name__ == "__main__":

@@ -84,9 +84,10 @@ def test_tree_attention_forced_splits(num_splits):
 SPLIT_EXTRA = [(3, 5, 0, (4, 2), 32, torch.float32), (2, 20, 30, (4, 2), 32, torch.float32)]
 
 
-@pytest.mark.parametrize("block_sizes", [None, (16, 16), (32, 16)], ids=["default", "m16n16", "m32n16"])
+@pytest.mark.parametrize("launch", [None, (16, 16), (32, 16), (16, 16, 2, 1)], ids=["default", "m16n16", "m32n16",
+                                                                                  "m16n16w2s1"])
 @pytest.mark.parametrize("case_args", GRID[:: max(1, len(GRID) // 8)] + SPLIT_EXTRA, ids=_ids)
-def test_split_tree_attention_matches_reference(case_args, block_sizes):
+def test_split_tree_attention_matches_reference(case_args, launch):
     """The split design: context attention with LSE (pure torch here, FA3 in the layer) + tree part + merge.
     Requests without context get what FlashAttention may return there (NaN output, +inf LSE): weight 0."""
     from tests.gpu.cases import context_attention_with_lse
@@ -106,7 +107,7 @@ def test_split_tree_attention_matches_reference(case_args, block_sizes):
     out = torch.full_like(case.query, float("nan"))
     tree_attention_split_(
         case.query, case.kv.keys, case.kv.values, t.block_table, t.query_start, t.seq_lens, t.num_nodes,
-        t.node_mask, t.max_seq_len, case.scale, context_out, context_lse, out, block_sizes=block_sizes,
+        t.node_mask, t.max_seq_len, case.scale, context_out, context_lse, out, launch=launch,
     )  # fmt: skip
     rows = case.tree_rows
     assert torch.isfinite(out[rows]).all() and torch.isnan(out[~rows]).all()

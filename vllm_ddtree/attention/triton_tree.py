@@ -244,13 +244,14 @@ def plan_splits(
     return splits, split_len
 
 
-def _block_sizes(dtype: torch.dtype, head_dim: int, tree_only: bool) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N). The split path's tree-only launch reads a few tree keys per node: 32 x 16 blocks there
-    (H200, session 32, Qwen3-8B's attention shape, B = 15, CUDA graphs: 27 / 57 us at batch 8 / 32 and 1k context
-    against 39 / 72 us with 64 x 64, which spend most of each key block on keys past the tree)."""
+def _launch_config(dtype: torch.dtype, head_dim: int, tree_only: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). The split path's tree-only launch reads a few tree keys per node:
+    32 x 16 blocks there (H200, session 32, Qwen3-8B's attention shape, B = 15, CUDA graphs: 27 / 57 us at batch
+    8 / 32 and 1k context against 39 / 72 us with 64 x 64, which spend most of each key block on keys past the
+    tree)."""
     if dtype == torch.float32:
-        return 32, 32 if head_dim > 64 else 64
-    return (32, 16) if tree_only else (64, 64)
+        return 32, (32 if head_dim > 64 else 64), 4, 2
+    return (32, 16, 4, 2) if tree_only else (64, 64, 4, 2)
 
 
 def tree_attention_triton_(
@@ -286,20 +287,20 @@ def tree_attention_split_(
     context_out: torch.Tensor,  # [num_tokens, Hq, D] every node's attention over its request's context alone
     context_lse: torch.Tensor,  # [Hq, num_tokens] float32, natural-log LSE of that (FlashAttention's layout)
     output: torch.Tensor,  # [num_tokens, Hq, D]; rows of tree nodes are overwritten
-    block_sizes: tuple[int, int] | None = None,  # (BLOCK_M, BLOCK_N) for an A/B (scripts/bench_attention.py)
+    launch: tuple[int, ...] | None = None,  # (BLOCK_M, BLOCK_N[, num_warps[, num_stages]]) for an A/B (bench_attention)
 ) -> None:
     """Split tree attention: the context part comes from FlashAttention (non-causal over the context, with LSE);
     this adds the tree part (each node over its ancestors' keys, a few keys per node) and merges the two by
     log-sum-exp in the same kernel. One launch; sync-free."""
     assert context_out.stride(2) == 1 and context_lse.stride(1) == 1
     _tree_attention(query, keys, values, block_table, query_start, seq_lens, num_nodes, node_mask, max_seq_len,
-                    scale, output, context=(context_out, context_lse), block_sizes=block_sizes)
+                    scale, output, context=(context_out, context_lse), launch=launch)
 
 
 def _tree_attention(
     query, keys, values, block_table, query_start, seq_lens, num_nodes, node_mask, max_seq_len: int, scale: float,
     output, num_splits: int | None = None, context: tuple[torch.Tensor, torch.Tensor] | None = None,
-    block_sizes: tuple[int, int] | None = None,
+    launch: tuple[int, ...] | None = None,
 ) -> None:
     """Both entry points: one pass over context + tree keys (context None), split over the context in
     `num_splits` programs when that pays; or the tree keys only, merged with `context` = (out, natural-log LSE)."""
@@ -312,7 +313,8 @@ def _tree_attention(
     assert query.stride(2) == 1 and keys.stride(3) == 1 and values.stride(3) == 1 and output.stride(2) == 1
     group = num_q_heads // num_kv_heads
     tree_only = context is not None
-    block_m, block_n = block_sizes or _block_sizes(query.dtype, head_dim, tree_only)
+    default = _launch_config(query.dtype, head_dim, tree_only)
+    block_m, block_n, num_warps, num_stages = (*(launch or ()), *default[len(launch or ()):])
     m_tiles = triton.cdiv(width * group, block_m)
     if tree_only:  # one split covers every key (only the few tree keys are read)
         num_splits, split_len = 1, triton.cdiv(max(int(max_seq_len), 1), block_n) * block_n
@@ -345,7 +347,7 @@ def _tree_attention(
         scale * 1.4426950408889634, split_len, num_splits,
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, WIDTH=width, PAGE=page,
         BLOCK_M=block_m, BLOCK_N=block_n, M_TILES=m_tiles, PRECISION=precision, TREE_ONLY=tree_only,
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if partial:
         _merge_splits_kernel[(num_trees * width, num_q_heads)](
