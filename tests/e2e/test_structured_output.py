@@ -135,3 +135,26 @@ def test_sampled_answers_satisfy_their_constraints(smollm2, drafter, prompts):
         if constraint is not None and finish == "stop":
             assert satisfies(text, constraint), (text, constraint)
     assert sum(f == "stop" for f, (_, c) in zip(result.finish_reasons, CASES) if c is not None) >= 3
+
+
+def test_greedy_answers_match_no_speculation_with_a_reasoning_parser(smollm2, drafter, prompts):
+    """A reasoning parser (the first sentence is reasoning: tests/e2e/sentence_reasoning_parser.py): while
+    reasoning goes on, the masks come from vLLM's per-path code, which knows where reasoning ends; once a
+    sentence ends, from the one-walk fill. Greedy answers are token-identical to vLLM without speculation."""
+    from pathlib import Path
+
+    from tests.e2e import sentence_reasoning_parser as parser
+
+    engine = dict(ENGINE, reasoning_parser=parser.NAME, reasoning_parser_plugin=str(Path(parser.__file__)))
+    constrained = [i for i, (_, constraint) in enumerate(CASES) if constraint is not None]
+    params = sampling_params(0.0)
+    chosen_prompts, chosen_params = [prompts[i] for i in constrained], [params[i] for i in constrained]
+    plain = run(smollm2, None, chosen_prompts, chosen_params, **engine)
+    tree = run(smollm2, ddtree(drafter), chosen_prompts, chosen_params, **engine)
+
+    assert tree.token_ids == plain.token_ids
+    assert tree.finish_reasons == plain.finish_reasons
+    period = 30  # "." in SmolLM2's vocabulary: the reasoning's end
+    reasoned = [ids for ids in plain.token_ids if period in ids[:-1]]
+    assert len(reasoned) >= 2, "too few answers switch from reasoning to the grammar to test the switch"
+    assert tree.acceptance_length > 1.3, tree.metrics
