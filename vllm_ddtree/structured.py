@@ -112,11 +112,9 @@ def take_tree_drafts(scheduler, draft_token_ids, scheduler_output=None):
     `scheduler_output` given: the async path (`update_draft_token_ids_in_output`): drafts replace the scheduled
     placeholders, cut to their number. Otherwise `update_draft_token_ids`: they become the request's next drafts."""
     parents_by_req = getattr(draft_token_ids, ATTRIBUTE, None)
-    if not parents_by_req:  # no constrained tree this step: vLLM takes every draft; forget older parents
+    if not parents_by_req:  # no constrained tree this step: vLLM takes every draft
         for req_id in draft_token_ids.req_ids:
-            request = scheduler.requests.get(req_id)
-            if getattr(request, ATTRIBUTE, None) is not None:
-                setattr(request, ATTRIBUTE, None)
+            _forget_parents(scheduler.requests.get(req_id))
         return draft_token_ids
     rest_ids, rest_drafts = [], []
     for req_id, drafts in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids):
@@ -125,8 +123,7 @@ def take_tree_drafts(scheduler, draft_token_ids, scheduler_output=None):
         if parents is not None and request is not None and request.structured_output_request is None:
             parents = None  # a tree without a grammar: vLLM's to take
         if parents is None:
-            if getattr(request, ATTRIBUTE, None) is not None:
-                setattr(request, ATTRIBUTE, None)  # these drafts are vLLM's to check, as a chain
+            _forget_parents(request)
             rest_ids.append(req_id)
             rest_drafts.append(drafts)
             continue
@@ -145,6 +142,12 @@ def take_tree_drafts(scheduler, draft_token_ids, scheduler_output=None):
             request.spec_token_ids = list(drafts)
         setattr(request, ATTRIBUTE, list(parents[: len(drafts) + 1]))
     return type(draft_token_ids)(rest_ids, rest_drafts)
+
+
+def _forget_parents(request) -> None:
+    """The request's next drafts are vLLM's to check, as a chain: drop the parents of an earlier tree."""
+    if getattr(request, ATTRIBUTE, None) is not None:
+        setattr(request, ATTRIBUTE, None)
 
 
 def install_tree_mask_hooks() -> None:
