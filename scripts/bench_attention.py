@@ -9,8 +9,9 @@ query rows per request). For each (batch, context):
             (what vLLM's backend runs for a chain verification step of N tokens)
   fa3_ctx   FA3 over the context only, non-causal, returning the LSE: part (a) of a split design
   tree_only our kernel on the tree keys alone (context 0): an upper bound of part (b) of a split design
-  split_MxN[xWxS]  the split path with the tree part's launch at BLOCK_M x BLOCK_N (num_warps W, num_stages S;
-            --split-blocks, an A/B of its launch; `split` is the shipped choice)
+  split_MxN[xWxS[xE]]  the split path with the tree part's launch at BLOCK_M x BLOCK_N, num_warps W, num_stages S,
+            E = 1: the context part loaded before the key loop (--split-blocks, an A/B of the launch; `split` is the
+            shipped choice)
 Every variant rotates over enough caches that the working set exceeds the L2. Times are medians of
 `triton.testing.do_bench` (eager calls: small cases then time the host's launches), or with --cuda-graphs of
 CUDA-graph replays (GPU time, as inside vLLM's FULL graphs). Writes JSON to --out and prints a table.
@@ -194,8 +195,8 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="time CUDA-graph replays (GPU time, as in vLLM's FULL graphs) instead of eager calls")
     parser.add_argument("--split-blocks", default="",
-                        help="BLOCK_MxBLOCK_N[xWARPS[xSTAGES]] list for the split path's tree launch, e.g. "
-                             "16x16,32x16x2x1 (A/B columns)")
+                        help="BLOCK_MxBLOCK_N[xWARPS[xSTAGES[xEARLY]]] list for the split path's tree launch, e.g. "
+                             "16x16,32x16x2x1,32x16x4x2x1 (A/B columns)")
     parser.add_argument("--no-compaction", action="store_true", help="skip the KV compaction timings")
     args = parser.parse_args()
     split_blocks = [tuple(int(v) for v in b.split("x")) for b in args.split_blocks.split(",") if b]

@@ -84,8 +84,8 @@ def test_tree_attention_forced_splits(num_splits):
 SPLIT_EXTRA = [(3, 5, 0, (4, 2), 32, torch.float32), (2, 20, 30, (4, 2), 32, torch.float32)]
 
 
-@pytest.mark.parametrize("launch", [None, (16, 16), (32, 16), (16, 16, 2, 1)], ids=["default", "m16n16", "m32n16",
-                                                                                  "m16n16w2s1"])
+@pytest.mark.parametrize("launch", [None, (16, 16), (32, 16), (16, 16, 2, 1), (32, 16, 4, 2, 1)],
+                         ids=["default", "m16n16", "m32n16", "m16n16w2s1", "early_context"])
 @pytest.mark.parametrize("case_args", GRID[:: max(1, len(GRID) // 8)] + SPLIT_EXTRA, ids=_ids)
 def test_split_tree_attention_matches_reference(case_args, launch):
     """The split design: context attention with LSE (pure torch here, FA3 in the layer) + tree part + merge.

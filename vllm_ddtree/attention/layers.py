@@ -83,8 +83,8 @@ def _split_attention_applies(impl, query: torch.Tensor, tree) -> bool:
 
 def split_tree_attention_(query, keys, values, tree, scale: float, out: torch.Tensor, launch=None) -> None:
     """The split design on CUDA: FA3 over each request's context (non-causal, with LSE; every scheduled row is a
-    tree node, `tree.covers_all_tokens`), then the tree part merged into `out` by one Triton launch (`launch` =
-    (BLOCK_M, BLOCK_N[, num_warps[, num_stages]]) for scripts/bench_attention.py's A/B; None: the kernel's choice).
+    tree node, `tree.covers_all_tokens`), then the tree part merged into `out` by one Triton launch (`launch`: a
+    prefix of `triton_tree._launch_config`'s tuple for scripts/bench_attention.py's A/B; None: the kernel's choice).
     query/out [num_tokens, Hq, D]; keys/values [num_blocks, page, Hkv, D]."""
     from vllm_ddtree.attention.triton_tree import tree_attention_split_
     from vllm_ddtree.compat import flash_attn_varlen

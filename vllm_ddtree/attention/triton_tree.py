@@ -71,6 +71,7 @@ def _tree_attention_kernel(
     M_TILES: tl.constexpr,
     PRECISION: tl.constexpr,
     TREE_ONLY: tl.constexpr = False,  # keys of the tree nodes only, merged with (CtxO, CtxLse) (split design)
+    EARLY_CONTEXT: tl.constexpr = False,  # TREE_ONLY: load (CtxO, CtxLse) before the key loop, overlapping it
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -93,6 +94,10 @@ def _tree_attention_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )  # [BLOCK_M, BLOCK_D]
+
+    if TREE_ONLY and EARLY_CONTEXT:
+        ctx_lse, ctx_o = _load_context_part(CtxO, CtxLse, token, head, d, row_ok, d_ok, stride_cot, stride_coh,
+                                            stride_clh)  # fmt: skip
 
     lo = split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
@@ -148,17 +153,13 @@ def _tree_attention_kernel(
         # Merge with the context part by log-sum-exp (log2 units). A valid row always sees its own key; a request
         # without context has an infinite or NaN context LSE and a context output that may be NaN: weight 0.
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))  # [BLOCK_M]
-        ctx_lse = tl.load(CtxLse + head * stride_clh + token, mask=row_ok, other=float("-inf")) * 1.4426950408889634
-        ctx_lse = tl.where(ctx_lse < float("inf"), ctx_lse, float("-inf"))
+        if not EARLY_CONTEXT:
+            ctx_lse, ctx_o = _load_context_part(CtxO, CtxLse, token, head, d, row_ok, d_ok, stride_cot, stride_coh,
+                                                stride_clh)  # fmt: skip
         m = tl.maximum(lse, ctx_lse)
         m = tl.where(m == float("-inf"), 0.0, m)
         w_tree = tl.exp2(lse - m)
         w_ctx = tl.exp2(ctx_lse - m)
-        ctx_o = tl.load(
-            CtxO + token[:, None] * stride_cot + head[:, None] * stride_coh + d[None, :],
-            mask=row_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        ).to(tl.float32)
         ctx_o = tl.where(w_ctx[:, None] > 0.0, ctx_o, 0.0)
         out = (out * w_tree[:, None] + ctx_o * w_ctx[:, None]) / tl.where(row_ok, w_tree + w_ctx, 1.0)[:, None]
         tl.store(
@@ -177,6 +178,20 @@ def _tree_attention_kernel(
         part_row = ((t.to(tl.int64) * NUM_Q_HEADS + head) * WIDTH + node) * num_splits + split  # [BLOCK_M]
         tl.store(PartLse + part_row, lse, mask=row_ok)
         tl.store(PartO + part_row[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _load_context_part(CtxO, CtxLse, token, head, d, row_ok, d_ok, stride_cot, stride_coh, stride_clh):
+    """The split design's context part of each row: (log2-unit LSE, -inf where FlashAttention saw no key [BLOCK_M];
+    float32 output [BLOCK_M, BLOCK_D])."""
+    ctx_lse = tl.load(CtxLse + head * stride_clh + token, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+    ctx_lse = tl.where(ctx_lse < float("inf"), ctx_lse, float("-inf"))
+    ctx_o = tl.load(
+        CtxO + token[:, None] * stride_cot + head[:, None] * stride_coh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    return ctx_lse, ctx_o
 
 
 @jit_unspecialized("num_splits")
@@ -244,14 +259,14 @@ def plan_splits(
     return splits, split_len
 
 
-def _launch_config(dtype: torch.dtype, head_dim: int, tree_only: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). The split path's tree-only launch reads a few tree keys per node:
+def _launch_config(dtype: torch.dtype, head_dim: int, tree_only: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages, EARLY_CONTEXT). The split path's tree-only launch reads a few tree keys per node:
     32 x 16 blocks there (H200, session 32, Qwen3-8B's attention shape, B = 15, CUDA graphs: 27 / 57 us at batch
     8 / 32 and 1k context against 39 / 72 us with 64 x 64, which spend most of each key block on keys past the
     tree)."""
     if dtype == torch.float32:
-        return 32, (32 if head_dim > 64 else 64), 4, 2
-    return (32, 16, 4, 2) if tree_only else (64, 64, 4, 2)
+        return 32, (32 if head_dim > 64 else 64), 4, 2, 0
+    return (32, 16, 4, 2, 0) if tree_only else (64, 64, 4, 2, 0)
 
 
 def tree_attention_triton_(
@@ -287,7 +302,7 @@ def tree_attention_split_(
     context_out: torch.Tensor,  # [num_tokens, Hq, D] every node's attention over its request's context alone
     context_lse: torch.Tensor,  # [Hq, num_tokens] float32, natural-log LSE of that (FlashAttention's layout)
     output: torch.Tensor,  # [num_tokens, Hq, D]; rows of tree nodes are overwritten
-    launch: tuple[int, ...] | None = None,  # (BLOCK_M, BLOCK_N[, num_warps[, num_stages]]) for an A/B (bench_attention)
+    launch: tuple[int, ...] | None = None,  # a prefix of `_launch_config`'s tuple for an A/B (bench_attention)
 ) -> None:
     """Split tree attention: the context part comes from FlashAttention (non-causal over the context, with LSE);
     this adds the tree part (each node over its ancestors' keys, a few keys per node) and merges the two by
@@ -314,7 +329,7 @@ def _tree_attention(
     group = num_q_heads // num_kv_heads
     tree_only = context is not None
     default = _launch_config(query.dtype, head_dim, tree_only)
-    block_m, block_n, num_warps, num_stages = (*(launch or ()), *default[len(launch or ()):])
+    block_m, block_n, num_warps, num_stages, early_context = (*(launch or ()), *default[len(launch or ()):])
     m_tiles = triton.cdiv(width * group, block_m)
     if tree_only:  # one split covers every key (only the few tree keys are read)
         num_splits, split_len = 1, triton.cdiv(max(int(max_seq_len), 1), block_n) * block_n
@@ -347,7 +362,7 @@ def _tree_attention(
         scale * 1.4426950408889634, split_len, num_splits,
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, WIDTH=width, PAGE=page,
         BLOCK_M=block_m, BLOCK_N=block_n, M_TILES=m_tiles, PRECISION=precision, TREE_ONLY=tree_only,
-        num_warps=num_warps, num_stages=num_stages,
+        EARLY_CONTEXT=bool(early_context), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if partial:
         _merge_splits_kernel[(num_trees * width, num_q_heads)](
