@@ -10,26 +10,11 @@ _HOW = "send the request to a server without speculative decoding, or with metho
 
 def unsupported_reason(params) -> tuple[str, str] | None:
     """(parameter, why) for the first parameter DDTree does not support, or None."""
-    if getattr(params, "structured_outputs", None) is not None and (why := _structured_output_refusal()):
-        return "structured_outputs", why
     if getattr(params, "logprob_token_ids", None) is not None:
         return "logprob_token_ids", f"logprob_token_ids is not supported with DDTree yet; use logprobs; {_HOW}"
     if getattr(params, "thinking_token_budget", None) is not None:
         return "thinking_token_budget", f"thinking_token_budget is not supported with DDTree yet; {_HOW}"
     return None
-
-
-def _structured_output_refusal() -> str | None:
-    """Why DDTree refuses structured output in this process's engines (DDTree's Model Runner V2 hooks do not hand
-    the scheduler the trees' parents yet: `structured.py`), or None where it runs the V1 hooks."""
-    from vllm_ddtree.compat import RUNNER_ENV, ddtree_may_run_on_model_runner_v2
-
-    if not ddtree_may_run_on_model_runner_v2():
-        return None
-    return (
-        "structured output with DDTree runs on the V1 model runner only so far, and this engine may run Model Runner "
-        f"V2; start it with {RUNNER_ENV}=v1 (or VLLM_USE_V2_MODEL_RUNNER=0), or {_HOW}"
-    )
 
 
 def install_request_hook() -> None:

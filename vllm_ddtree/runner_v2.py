@@ -10,6 +10,7 @@ Design: docs/model-runner-v2.md. One decode step, in the order V2 calls the hook
   (target forward)
   `rejection_sampler`      a `TreeVerifier`: choices, walk, KV compaction, positions back to chain order
   `speculator.propose`     path rows moved to the front, DFlash pass, the next tree
+  `draft_tokens_handler`   on steps with structured output, the trees' parents go to the scheduler with the drafts
 V2's own `post_update` then does the rollback (num_computed_tokens += num_sampled) on the GPU.
 """
 
@@ -30,6 +31,7 @@ from vllm_ddtree.attention.metadata import (
     uniform_nodes,
 )
 from vllm_ddtree.runner import configure_cuda_graphs, hook
+from vllm_ddtree.structured import attach_tree_parents
 from vllm_ddtree.verify.step import (
     CHAIN_SLOT,
     GraphStepLayouts,
@@ -138,6 +140,35 @@ def uniform_verification_nodes(input_batch, width: int) -> int | None:
     return uniform_nodes(input_batch.num_reqs, input_batch.num_tokens, max_query_len, width)
 
 
+def hand_tree_parents_to_scheduler(handler, speculator) -> None:
+    """Make V2's `DraftTokensHandler` hand the scheduler each request's tree parents with its drafts, on the steps
+    whose batch has structured output (the only steps where V2 copies drafts to the host): the scheduler computes
+    those requests' grammar masks node by node (`structured.py`). The parents, [R, B + 1] gathered by request slot,
+    are copied on the handler's copy stream before its event, so `get_draft_tokens`'s one wait covers both copies;
+    other steps copy nothing."""
+    set_draft_tokens, get_draft_tokens = handler.set_draft_tokens, handler.get_draft_tokens
+    copied: list = [None]  # [R, B + 1] numpy parents of the last structured-output step, else None
+
+    def set_tree_draft_tokens(input_batch, draft_tokens: torch.Tensor) -> None:
+        copied[0] = None
+        if input_batch.has_structured_output_reqs:
+            parents = speculator.tree_parents[input_batch.idx_mapping]  # [R, B + 1], a new tensor
+            handler.copy_stream.wait_stream(torch.cuda.current_stream(handler.device))
+            with torch.cuda.stream(handler.copy_stream):
+                copied[0] = parents.to("cpu", non_blocking=True).numpy()
+                parents.record_stream(handler.copy_stream)
+        set_draft_tokens(input_batch, draft_tokens)  # records the handler's event after both copies
+
+    def get_tree_draft_tokens():
+        draft_token_ids = get_draft_tokens()  # waits for the event when it copied
+        parents, copied[0] = copied[0], None
+        if parents is not None and draft_token_ids is not None:
+            attach_tree_parents(draft_token_ids, dict(zip(draft_token_ids.req_ids, parents.tolist())))
+        return draft_token_ids
+
+    handler.set_draft_tokens, handler.get_draft_tokens = set_tree_draft_tokens, get_tree_draft_tokens
+
+
 def install_v2_runner_hooks() -> None:
     from vllm_ddtree.compat import LOGGER_NAME, init_logger, v2_model_runner_module
 
@@ -187,6 +218,7 @@ def install_v2_runner_hooks() -> None:
                         "(\"layout_in_graph\": true)")  # fmt: skip
         if self.speculator is not None:  # None on pipeline stages before the last
             self.speculator.timer = self._ddtree.timer
+            hand_tree_parents_to_scheduler(self.draft_tokens_handler, self.speculator)
             if self.speculator.tree_in_graph:  # "tree_in_graph" (default): V2's roots buffer, before any capture
                 from vllm_ddtree.compat import v2_last_sampled_tokens
 

@@ -1,4 +1,4 @@
-"""Structured output (JSON schema, regex, choice, grammar) for DDTree requests on the V1 model runner.
+"""Structured output (JSON schema, regex, choice, grammar) for DDTree requests.
 
 vLLM's scheduler checks a request's drafts against its grammar and computes one token mask per draft position as if
 the drafts were a chain: the mask of draft i assumes drafts 1..i-1 were accepted. A tree's nodes are not a chain, so
@@ -13,9 +13,9 @@ for a request with structured output DDTree hands the scheduler its tree's paren
   whose token its path's grammar rejects gets its parent's mask: the target's masked choice at the parent never is
   that token, so the walk never reaches it.
 
-The runner attaches the parents when it hands over the drafts (`attach_tree_parents`). Requests without structured
-output are untouched. DDTree's Model Runner V2 hooks (vLLM 0.26 on the GPU) do not pass parents yet, so requests with
-structured output are refused there (`requests.py`).
+The runner attaches the parents when it hands over the drafts (`attach_tree_parents`): the V1 runner hook
+(`runner.constrained_tree_parents`) and, on Model Runner V2, its draft tokens handler
+(`runner_v2.hand_tree_parents_to_scheduler`). Requests without structured output are untouched.
 """
 
 from __future__ import annotations

@@ -198,22 +198,3 @@ def test_drafts_without_parents_clear_a_requests_old_parents():
     rest = take_tree_drafts(scheduler, drafts_of(["json"], [[5]]))
     assert rest.req_ids == ["json"]
     assert getattr(scheduler.requests["json"], ATTRIBUTE) is None
-
-
-@pytest.mark.parametrize("runner,refused", [("v1", False), ("v2", True)])
-def test_structured_output_is_refused_where_ddtree_may_run_model_runner_v2(monkeypatch, runner, refused):
-    pytest.importorskip("vllm")
-    from vllm import SamplingParams
-    from vllm.sampling_params import StructuredOutputsParams
-
-    from vllm_ddtree.requests import unsupported_reason
-
-    monkeypatch.setenv("VLLM_DDTREE_RUNNER", runner)
-    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
-    problem = unsupported_reason(params)
-    if not refused:
-        assert problem is None
-        return
-    parameter, why = problem
-    assert parameter == "structured_outputs"
-    assert "VLLM_DDTREE_RUNNER=v1" in why and "structured output" in why
