@@ -198,3 +198,37 @@ def test_drafts_without_parents_clear_a_requests_old_parents():
     rest = take_tree_drafts(scheduler, drafts_of(["json"], [[5]]))
     assert rest.req_ids == ["json"]
     assert getattr(scheduler.requests["json"], ATTRIBUTE) is None
+
+
+@pytest.mark.parametrize("runner,opt_in,refused", [("v1", None, False), ("v2", None, True), ("v2", "1", False)])
+def test_structured_output_is_refused_where_ddtree_may_run_model_runner_v2(monkeypatch, runner, opt_in, refused):
+    """Until its GPU check, DDTree's V2 path for structured output runs only with VLLM_DDTREE_V2_STRUCTURED_OUTPUT=1."""
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from vllm_ddtree.requests import V2_STRUCTURED_OUTPUT_ENV, unsupported_reason
+
+    monkeypatch.setenv("VLLM_DDTREE_RUNNER", runner)
+    if opt_in is not None:
+        monkeypatch.setenv(V2_STRUCTURED_OUTPUT_ENV, opt_in)
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+    problem = unsupported_reason(params)
+    if not refused:
+        assert problem is None
+        return
+    parameter, why = problem
+    assert parameter == "structured_outputs"
+    assert "VLLM_DDTREE_RUNNER=v1" in why and f"{V2_STRUCTURED_OUTPUT_ENV}=1" in why
+
+
+def test_a_bad_v2_structured_output_switch_names_the_value(monkeypatch):
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from vllm_ddtree.requests import V2_STRUCTURED_OUTPUT_ENV, unsupported_reason
+
+    monkeypatch.setenv(V2_STRUCTURED_OUTPUT_ENV, "yes")
+    with pytest.raises(ValueError, match="VLLM_DDTREE_V2_STRUCTURED_OUTPUT='yes' is not 0 or 1; unset it"):
+        unsupported_reason(SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+")))
