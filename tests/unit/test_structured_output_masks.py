@@ -207,7 +207,8 @@ def test_structured_output_is_refused_where_ddtree_may_run_model_runner_v2(monke
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    from vllm_ddtree.requests import V2_STRUCTURED_OUTPUT_ENV, unsupported_reason
+    from vllm_ddtree.env import V2_STRUCTURED_OUTPUT_ENV
+    from vllm_ddtree.requests import unsupported_reason
 
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", runner)
     if opt_in is not None:
@@ -227,7 +228,8 @@ def test_a_bad_v2_structured_output_switch_names_the_value(monkeypatch):
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    from vllm_ddtree.requests import V2_STRUCTURED_OUTPUT_ENV, unsupported_reason
+    from vllm_ddtree.env import V2_STRUCTURED_OUTPUT_ENV
+    from vllm_ddtree.requests import unsupported_reason
 
     monkeypatch.setenv(V2_STRUCTURED_OUTPUT_ENV, "yes")
     with pytest.raises(ValueError, match="VLLM_DDTREE_V2_STRUCTURED_OUTPUT='yes' is not 0 or 1; unset it"):
