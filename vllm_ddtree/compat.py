@@ -191,21 +191,6 @@ def auto_runner_is_v2(
     return is_v2_verified_release(vllm_version) and tensor_parallel_size == 1
 
 
-def ddtree_may_run_on_model_runner_v2() -> bool:
-    """Whether a DDTree engine started from this process's environment may run DDTree's Model Runner V2 hooks, told
-    before any engine config exists (a request's checks): VLLM_DDTREE_RUNNER=v2, VLLM_USE_V2_MODEL_RUNNER=1, or,
-    with neither set, vLLM 0.26 on CUDA (`auto_runner_is_v2`). Errs towards V2: vLLM may still pick V1 there."""
-    import vllm.envs as envs
-    from vllm.platforms import current_platform
-
-    runner = requested_runner()
-    if runner != "auto":
-        return runner == "v2"
-    if envs.VLLM_USE_V2_MODEL_RUNNER is not None:
-        return bool(envs.VLLM_USE_V2_MODEL_RUNNER)
-    return is_v2_verified_release(VLLM_VERSION) and current_platform.is_cuda()
-
-
 def is_v2_verified_release(vllm_version: str) -> bool:
     """Whether DDTree's Model Runner V2 hooks ran end to end on this vLLM release (`V2_VERIFIED_VLLM`)."""
     return vllm_version == V2_VERIFIED_VLLM or vllm_version.startswith(V2_VERIFIED_VLLM + ".")
@@ -360,6 +345,13 @@ def grammar_constrains_whole_window(manager, request) -> bool:
     if bounds is not None:
         return tuple(bounds(request, ())) == (0, 0)
     return bool(manager.should_fill_bitmask(request))
+
+
+def scheduler_defers_grammar_at_reasoning_end() -> bool:
+    """Whether this vLLM's scheduler advances a request's grammar through `StructuredOutputManager.should_advance`
+    (0.26), which latches the reasoning end from the step's last tokens only and defers the grammar by a step;
+    0.32 and 0.33 advance it in `accept_tokens`, past an end marker anywhere in the step's tokens."""
+    return hasattr(StructuredOutputManager, "should_advance")
 
 
 def grammar_valid_prefix(manager, request, tokens: list[int]) -> int:

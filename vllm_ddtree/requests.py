@@ -4,14 +4,16 @@
 from __future__ import annotations
 
 from vllm_ddtree import config as ddtree_config
-from vllm_ddtree.env import V2_STRUCTURED_OUTPUT_ENV, v2_structured_output_opted_in
 
 _HOW = "send the request to a server without speculative decoding, or with method 'dflash'"
 
 
-def unsupported_reason(params) -> tuple[str, str] | None:
-    """(parameter, why) for the first parameter DDTree does not support, or None."""
-    if getattr(params, "structured_outputs", None) is not None and (why := _structured_output_refusal()):
+def unsupported_reason(params, structured_outputs_config=None) -> tuple[str, str] | None:
+    """(parameter, why) for the first parameter DDTree does not support, or None. `structured_outputs_config`: the
+    engine's (its reasoning parser decides whether structured output is served)."""
+    if getattr(params, "structured_outputs", None) is not None and (
+        why := _structured_output_after_reasoning_refusal(structured_outputs_config)
+    ):
         return "structured_outputs", why
     if getattr(params, "logprob_token_ids", None) is not None:
         return "logprob_token_ids", f"logprob_token_ids is not supported with DDTree yet; use logprobs; {_HOW}"
@@ -20,18 +22,21 @@ def unsupported_reason(params) -> tuple[str, str] | None:
     return None
 
 
-def _structured_output_refusal() -> str | None:
-    """Why DDTree refuses structured output in this process's engines, or None. DDTree's Model Runner V2 hooks hand
-    the scheduler the trees' parents (`runner_v2.hand_tree_parents_to_scheduler`) but have not run on a GPU yet,
-    so where DDTree may run V2 the requests are refused unless VLLM_DDTREE_V2_STRUCTURED_OUTPUT=1 opts in."""
-    from vllm_ddtree.compat import RUNNER_ENV, ddtree_may_run_on_model_runner_v2
+def _structured_output_after_reasoning_refusal(structured_outputs_config) -> str | None:
+    """Why a structured-output request is refused in an engine with a reasoning parser, or None. On vLLM 0.26 the
+    grammar did not take over where reasoning ended inside a verified tree path: the answer went on unconstrained
+    (tests/e2e/test_structured_output.py, session 43 on an H100). 0.32's scheduler finds the end anywhere in a
+    step's tokens, and there the answers are token-identical to no speculation."""
+    from vllm_ddtree.compat import VLLM_VERSION, scheduler_defers_grammar_at_reasoning_end
 
-    if v2_structured_output_opted_in() or not ddtree_may_run_on_model_runner_v2():
+    parser = getattr(structured_outputs_config, "reasoning_parser", None)
+    if not parser or getattr(structured_outputs_config, "enable_in_reasoning", False):
+        return None
+    if not scheduler_defers_grammar_at_reasoning_end():
         return None
     return (
-        "structured output with DDTree is verified on the V1 model runner only so far, and this engine may run Model "
-        f"Runner V2; start it with {RUNNER_ENV}=v1 (or VLLM_USE_V2_MODEL_RUNNER=0), or opt in to the V2 path with "
-        f"{V2_STRUCTURED_OUTPUT_ENV}=1, or {_HOW}"
+        f"structured output after reasoning (reasoning_parser {parser!r}) is not supported with DDTree on vLLM "
+        f"{VLLM_VERSION}: start the engine without a reasoning parser, or {_HOW}"
     )
 
 
@@ -46,7 +51,8 @@ def install_request_hook() -> None:
         original(self, model_config, speculative_config, *args, **kwargs)
         if ddtree_config.settings_of(speculative_config) is None:
             return
-        problem = unsupported_reason(self)
+        structured_outputs_config = args[0] if args else kwargs.get("structured_outputs_config")
+        problem = unsupported_reason(self, structured_outputs_config)
         if problem is not None:
             parameter, why = problem
             raise validation_error(why, parameter)

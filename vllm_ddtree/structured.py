@@ -15,8 +15,7 @@ for a request with structured output DDTree hands the scheduler its tree's paren
 
 The runner attaches the parents when it hands over the drafts (`attach_tree_parents`): the V1 runner hook
 (`runner.constrained_tree_parents`) and, on Model Runner V2, its draft tokens handler
-(`runner_v2.hand_tree_parents_to_scheduler`; served there only with VLLM_DDTREE_V2_STRUCTURED_OUTPUT=1 until it has
-run on a GPU: `requests.py`). Requests without structured output are untouched.
+(`runner_v2.hand_tree_parents_to_scheduler`). Requests without structured output are untouched.
 """
 
 from __future__ import annotations

@@ -128,10 +128,3 @@ def test_bad_kernel_switch_is_named_at_config_time(monkeypatch, name, typo, refu
     split_ddtree_config(spec())  # case and spaces as VLLM_DDTREE_RUNNER's
     assert not use_triton(torch.zeros(1))  # CPU tensors take the tensor-op versions whatever the switch
 
-
-def test_bad_v2_structured_output_switch_is_named_at_config_time(monkeypatch):
-    monkeypatch.setenv("VLLM_DDTREE_V2_STRUCTURED_OUTPUT", "on")
-    with pytest.raises(ValueError, match=r"VLLM_DDTREE_V2_STRUCTURED_OUTPUT='on' is not 0 or 1"):
-        split_ddtree_config(spec())
-    monkeypatch.setenv("VLLM_DDTREE_V2_STRUCTURED_OUTPUT", "1")
-    split_ddtree_config(spec())

@@ -200,37 +200,56 @@ def test_drafts_without_parents_clear_a_requests_old_parents():
     assert getattr(scheduler.requests["json"], ATTRIBUTE) is None
 
 
-@pytest.mark.parametrize("runner,opt_in,refused", [("v1", None, False), ("v2", None, True), ("v2", "1", False)])
-def test_structured_output_is_refused_where_ddtree_may_run_model_runner_v2(monkeypatch, runner, opt_in, refused):
-    """Until its GPU check, DDTree's V2 path for structured output runs only with VLLM_DDTREE_V2_STRUCTURED_OUTPUT=1."""
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_structured_output_is_served_on_either_model_runner(monkeypatch, runner):
+    """Structured output runs on both of DDTree's model runners (V2: session 43's GPU check), so no request is
+    refused for it whatever runner the engine may pick."""
     pytest.importorskip("vllm")
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    from vllm_ddtree.env import V2_STRUCTURED_OUTPUT_ENV
     from vllm_ddtree.requests import unsupported_reason
 
     monkeypatch.setenv("VLLM_DDTREE_RUNNER", runner)
-    if opt_in is not None:
-        monkeypatch.setenv(V2_STRUCTURED_OUTPUT_ENV, opt_in)
-    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
-    problem = unsupported_reason(params)
-    if not refused:
+    assert unsupported_reason(SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+"))) is None
+
+
+@pytest.mark.parametrize("defers", [False, True])
+def test_structured_output_after_reasoning_is_refused_where_the_scheduler_defers_the_grammar(monkeypatch, defers):
+    """vLLM 0.26's scheduler (`should_advance`) let a DDTree answer go on unconstrained past a reasoning end inside
+    a tree path (session 43, H100): there such requests are refused, naming the parser; 0.32 serves them."""
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+    from vllm.config import StructuredOutputsConfig
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from vllm_ddtree import compat
+    from vllm_ddtree.requests import unsupported_reason
+
+    monkeypatch.setattr(compat, "scheduler_defers_grammar_at_reasoning_end", lambda: defers)
+    constrained = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+    reasoning = StructuredOutputsConfig(reasoning_parser="deepseek_r1")
+    assert unsupported_reason(constrained, StructuredOutputsConfig()) is None
+    assert unsupported_reason(SamplingParams(), reasoning) is None
+    assert unsupported_reason(constrained, StructuredOutputsConfig(reasoning_parser="deepseek_r1",
+                                                                   enable_in_reasoning=True)) is None  # fmt: skip
+    problem = unsupported_reason(constrained, reasoning)
+    if not defers:
         assert problem is None
         return
     parameter, why = problem
     assert parameter == "structured_outputs"
-    assert "VLLM_DDTREE_RUNNER=v1" in why and f"{V2_STRUCTURED_OUTPUT_ENV}=1" in why
+    assert "reasoning_parser 'deepseek_r1'" in why and "without a reasoning parser" in why
 
 
-def test_a_bad_v2_structured_output_switch_names_the_value(monkeypatch):
+def test_this_vllm_serves_structured_output_after_reasoning():
+    """The CPU build (0.32) advances the grammar past a reasoning end anywhere in a step's tokens: served, and
+    token-identical to no speculation (tests/e2e/test_structured_output.py)."""
     pytest.importorskip("vllm")
-    from vllm import SamplingParams
-    from vllm.sampling_params import StructuredOutputsParams
+    import vllm
 
-    from vllm_ddtree.env import V2_STRUCTURED_OUTPUT_ENV
-    from vllm_ddtree.requests import unsupported_reason
+    from vllm_ddtree.compat import scheduler_defers_grammar_at_reasoning_end
 
-    monkeypatch.setenv(V2_STRUCTURED_OUTPUT_ENV, "yes")
-    with pytest.raises(ValueError, match="VLLM_DDTREE_V2_STRUCTURED_OUTPUT='yes' is not 0 or 1; unset it"):
-        unsupported_reason(SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+")))
+    if vllm.__version__.startswith("0.26"):
+        pytest.skip("vLLM 0.26 refuses it (the test above)")
+    assert not scheduler_defers_grammar_at_reasoning_end()
