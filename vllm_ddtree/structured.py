@@ -152,7 +152,8 @@ def _forget_parents(request) -> None:
 
 def install_tree_mask_hooks() -> None:
     """Wrap the scheduler's two ways of taking drafts and the structured-output manager's `grammar_bitmask`
-    (0.26 and 0.32) as the module docstring says. Idempotent; other methods and requests pass through."""
+    (0.26 and 0.32) as the module docstring says, and 0.26's `should_advance` (`_latching_reasoning_end_anywhere`).
+    Idempotent; other methods and requests pass through."""
     from vllm_ddtree.compat import Scheduler, StructuredOutputManager
 
     for name in ("update_draft_token_ids", "update_draft_token_ids_in_output"):
@@ -162,6 +163,9 @@ def install_tree_mask_hooks() -> None:
     original = StructuredOutputManager.grammar_bitmask
     if not getattr(original, "_ddtree_hook", False):
         StructuredOutputManager.grammar_bitmask = _tree_bitmasks(original)
+    original = getattr(StructuredOutputManager, "should_advance", None)  # 0.26; 0.32 advances in accept_tokens
+    if original is not None and not getattr(original, "_ddtree_hook", False):
+        StructuredOutputManager.should_advance = _latching_reasoning_end_anywhere(original)
 
 
 def _taking_tree_drafts(original):
@@ -174,6 +178,27 @@ def _taking_tree_drafts(original):
     update._ddtree_hook = True
     update.__wrapped__ = original
     return update
+
+
+def _latching_reasoning_end_anywhere(original):
+    """0.26's `should_advance` sees a reasoning end only as a step's last token; one among the step's accepted
+    drafts never latched, and the answer went on unconstrained (session 43). For DDTree engines, while reasoning
+    goes on, look for it in all of the output (`latch_reasoning_end_in_output`) and advance the grammar at once.
+    Such requests are still refused on 0.26 (`requests.py`) until this has run on a GPU."""
+    from vllm_ddtree.compat import latch_reasoning_end_in_output
+
+    def should_advance(self, request):
+        advance = original(self, request)
+        structured = request.structured_output_request
+        if advance or structured is None or structured.reasoning_ended:
+            return advance  # a last-token end latched by 0.26 itself leaves no token after it in the step
+        if ddtree_config.settings_of(self.vllm_config.speculative_config) is None:
+            return advance
+        return latch_reasoning_end_in_output(self, request)
+
+    should_advance._ddtree_hook = True
+    should_advance.__wrapped__ = original
+    return should_advance
 
 
 def _tree_bitmasks(original):
