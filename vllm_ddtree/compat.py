@@ -354,19 +354,24 @@ def scheduler_defers_grammar_at_reasoning_end() -> bool:
     return hasattr(StructuredOutputManager, "should_advance")
 
 
+def reasoning_holds_grammar_back(manager, request) -> bool:
+    """0.26: whether a request's grammar waits for its reasoning to end (a reasoning parser, without
+    `enable_in_reasoning`), as `should_advance` decides before it looks for the end."""
+    return not manager.enable_in_reasoning and manager._get_reasoner(request) is not None
+
+
 def latch_reasoning_end_in_output(manager, request) -> bool:
     """0.26: find a reasoning end anywhere in the output tokens not yet searched (`should_advance` looks at a step's
     last token only) and latch it as 0.26 does for structural tags: `reasoning_ended`, and the end's index, from
-    which the scheduler's `trim_reasoning_for_advance` hands the grammar only the step's tokens after the end.
-    Returns whether the end was found. Not yet run on vLLM 0.26 (docs/gpu-session.md, "Session 43")."""
+    which the scheduler's `trim_reasoning_for_advance` hands the grammar only the step's tokens after the end (none
+    where the end is the step's last token). Returns whether the end was found. For requests whose grammar waits
+    for reasoning (`reasoning_holds_grammar_back`). Not yet run on vLLM 0.26 (docs/gpu-session.md)."""
     structured = request.structured_output_request
     reasoner = manager._get_reasoner(request)
     all_token_ids = request.all_token_ids
     start = max(getattr(structured, "_ddtree_reasoning_searched", 0), request.num_prompt_tokens)
     structured._ddtree_reasoning_searched = len(all_token_ids)
-    if reasoner is None or start >= len(all_token_ids):
-        return False
-    if not reasoner.is_reasoning_end_streaming(all_token_ids, all_token_ids[start:]):
+    if start >= len(all_token_ids) or not reasoner.is_reasoning_end_streaming(all_token_ids, all_token_ids[start:]):
         return False
     structured.reasoning_end_token_index = manager._find_reasoning_end_index(reasoner, all_token_ids, start)
     structured.reasoning_ended = True

@@ -183,17 +183,18 @@ def _taking_tree_drafts(original):
 def _latching_reasoning_end_anywhere(original):
     """0.26's `should_advance` sees a reasoning end only as a step's last token; one among the step's accepted
     drafts never latched, and the answer went on unconstrained (session 43). For DDTree engines, while reasoning
-    goes on, look for it in all of the output (`latch_reasoning_end_in_output`) and advance the grammar at once.
+    holds the grammar back, look for the end in all of the output instead (`latch_reasoning_end_in_output`) and
+    advance the grammar at once with the step's tokens after it. 0.26's own check is not asked meanwhile: in a step
+    such as [".", "[", "1", "."] it would latch at the last end marker and the grammar would never see "[", "1", ".".
     Such requests are still refused on 0.26 (`requests.py`) until this has run on a GPU."""
-    from vllm_ddtree.compat import latch_reasoning_end_in_output
+    from vllm_ddtree.compat import latch_reasoning_end_in_output, reasoning_holds_grammar_back
 
     def should_advance(self, request):
-        advance = original(self, request)
         structured = request.structured_output_request
-        if advance or structured is None or structured.reasoning_ended:
-            return advance  # a last-token end latched by 0.26 itself leaves no token after it in the step
-        if ddtree_config.settings_of(self.vllm_config.speculative_config) is None:
-            return advance
+        if (structured is None or structured.reasoning_ended
+                or ddtree_config.settings_of(self.vllm_config.speculative_config) is None
+                or not reasoning_holds_grammar_back(self, request)):
+            return original(self, request)
         return latch_reasoning_end_in_output(self, request)
 
     should_advance._ddtree_hook = True

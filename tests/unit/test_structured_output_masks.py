@@ -242,6 +242,76 @@ def test_structured_output_after_reasoning_is_refused_where_the_scheduler_defers
     assert "reasoning_parser 'deepseek_r1'" in why and "without a reasoning parser" in why
 
 
+END = 9  # the reasoning's end marker in the steps below
+
+
+class _ThinkTokenReasoner:
+    """Ends reasoning at token END, as vLLM's think-token parsers do (`end_token_id in delta_ids`)."""
+
+    def is_reasoning_end_streaming(self, input_ids, delta_ids) -> bool:
+        return END in list(delta_ids)
+
+
+class _Manager026:
+    """The parts of vLLM 0.26's `StructuredOutputManager` that `_latching_reasoning_end_anywhere` reads; its own
+    `should_advance` is recorded, never run (the wrapper must not ask it while reasoning holds the grammar back)."""
+
+    def __init__(self, ddtree: bool, enable_in_reasoning: bool = False):
+        self.vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(ddtree_config={} if ddtree else None))
+        self.enable_in_reasoning = enable_in_reasoning
+        self.asked = 0
+
+    def _get_reasoner(self, request):
+        return _ThinkTokenReasoner()
+
+    @staticmethod
+    def _find_reasoning_end_index(reasoner, all_token_ids, start) -> int:
+        return next(i for i in range(start, len(all_token_ids)) if all_token_ids[i] == END)
+
+
+def _request(prompt: list[int]) -> SimpleNamespace:
+    structured = SimpleNamespace(reasoning_ended=False, reasoning_end_token_index=None)
+    return SimpleNamespace(structured_output_request=structured, all_token_ids=list(prompt),
+                           num_prompt_tokens=len(prompt))  # fmt: skip
+
+
+def test_a_reasoning_end_among_a_steps_tokens_latches_at_the_first_end_marker():
+    """vLLM 0.26: a step accepting [7, END, 3, 4, END] ends reasoning at its first END (the prompt's END does not
+    count), so the grammar gets [3, 4, END]; 0.26's own last-token check, asked instead, would have latched at the
+    last END and the grammar would never have seen 3, 4, END."""
+    from vllm_ddtree.structured import _latching_reasoning_end_anywhere
+
+    def original(manager, request):
+        manager.asked += 1
+        return "0.26's answer"
+
+    manager, request = _Manager026(ddtree=True), _request([1, END, 2])
+    should_advance = _latching_reasoning_end_anywhere(original)
+    request.all_token_ids += [5, 6]  # a step within reasoning
+    assert should_advance(manager, request) is False
+    assert should_advance(manager, request) is False  # asked again in the same step: nothing new to search
+    step = [7, END, 3, 4, END]
+    request.all_token_ids += step
+    assert should_advance(manager, request) is True
+    end = request.structured_output_request.reasoning_end_token_index
+    assert request.structured_output_request.reasoning_ended and end == len(request.all_token_ids) - 4
+    assert request.all_token_ids[end + 1:] == [3, 4, END]  # what 0.26's trim_reasoning_for_advance hands on
+    assert manager.asked == 0
+    assert should_advance(manager, request) == "0.26's answer"  # reasoning over: 0.26 decides again
+    assert manager.asked == 1
+
+
+@pytest.mark.parametrize("ddtree, enable_in_reasoning", [(False, False), (True, True)])
+def test_reasoning_end_latch_leaves_other_engines_and_requests_to_vllm(ddtree, enable_in_reasoning):
+    from vllm_ddtree.structured import _latching_reasoning_end_anywhere
+
+    manager, request = _Manager026(ddtree, enable_in_reasoning), _request([1, 2])
+    request.all_token_ids += [7, END, 3]
+    should_advance = _latching_reasoning_end_anywhere(lambda manager, request: "0.26's answer")
+    assert should_advance(manager, request) == "0.26's answer"
+    assert not request.structured_output_request.reasoning_ended
+
+
 def test_this_vllm_serves_structured_output_after_reasoning():
     """The CPU build (0.32) advances the grammar past a reasoning end anywhere in a step's tokens: served, and
     token-identical to no speculation (tests/e2e/test_structured_output.py)."""
