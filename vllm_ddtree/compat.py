@@ -347,13 +347,6 @@ def grammar_constrains_whole_window(manager, request) -> bool:
     return bool(manager.should_fill_bitmask(request))
 
 
-def scheduler_defers_grammar_at_reasoning_end() -> bool:
-    """Whether this vLLM's scheduler advances a request's grammar through `StructuredOutputManager.should_advance`
-    (0.26), which latches the reasoning end from the step's last tokens only and defers the grammar by a step;
-    0.32 and 0.33 advance it in `accept_tokens`, past an end marker anywhere in the step's tokens."""
-    return hasattr(StructuredOutputManager, "should_advance")
-
-
 def reasoning_holds_grammar_back(manager, request) -> bool:
     """0.26: whether a request's grammar waits for its reasoning to end (a reasoning parser, without
     `enable_in_reasoning`), as `should_advance` decides before it looks for the end."""
@@ -365,7 +358,7 @@ def latch_reasoning_end_in_output(manager, request) -> bool:
     last token only) and latch it as 0.26 does for structural tags: `reasoning_ended`, and the end's index, from
     which the scheduler's `trim_reasoning_for_advance` hands the grammar only the step's tokens after the end (none
     where the end is the step's last token). Returns whether the end was found. For requests whose grammar waits
-    for reasoning (`reasoning_holds_grammar_back`). Not yet run on vLLM 0.26 (docs/gpu-session.md)."""
+    for reasoning (`reasoning_holds_grammar_back`)."""
     structured = request.structured_output_request
     reasoner = manager._get_reasoner(request)
     all_token_ids = request.all_token_ids

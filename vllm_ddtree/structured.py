@@ -186,7 +186,7 @@ def _latching_reasoning_end_anywhere(original):
     holds the grammar back, look for the end in all of the output instead (`latch_reasoning_end_in_output`) and
     advance the grammar at once with the step's tokens after it. 0.26's own check is not asked meanwhile: in a step
     such as [".", "[", "1", "."] it would latch at the last end marker and the grammar would never see "[", "1", ".".
-    Such requests are still refused on 0.26 (`requests.py`) until this has run on a GPU."""
+    On an H100 (session 45) the reasoning e2e test's greedy answers are token-identical to no speculation with it."""
     from vllm_ddtree.compat import latch_reasoning_end_in_output, reasoning_holds_grammar_back
 
     def should_advance(self, request):

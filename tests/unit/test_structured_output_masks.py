@@ -214,34 +214,6 @@ def test_structured_output_is_served_on_either_model_runner(monkeypatch, runner)
     assert unsupported_reason(SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+"))) is None
 
 
-@pytest.mark.parametrize("defers", [False, True])
-def test_structured_output_after_reasoning_is_refused_where_the_scheduler_defers_the_grammar(monkeypatch, defers):
-    """vLLM 0.26's scheduler (`should_advance`) let a DDTree answer go on unconstrained past a reasoning end inside
-    a tree path (session 43, H100): there such requests are refused, naming the parser; 0.32 serves them."""
-    pytest.importorskip("vllm")
-    from vllm import SamplingParams
-    from vllm.config import StructuredOutputsConfig
-    from vllm.sampling_params import StructuredOutputsParams
-
-    from vllm_ddtree import compat
-    from vllm_ddtree.requests import unsupported_reason
-
-    monkeypatch.setattr(compat, "scheduler_defers_grammar_at_reasoning_end", lambda: defers)
-    constrained = SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
-    reasoning = StructuredOutputsConfig(reasoning_parser="deepseek_r1")
-    assert unsupported_reason(constrained, StructuredOutputsConfig()) is None
-    assert unsupported_reason(SamplingParams(), reasoning) is None
-    assert unsupported_reason(constrained, StructuredOutputsConfig(reasoning_parser="deepseek_r1",
-                                                                   enable_in_reasoning=True)) is None  # fmt: skip
-    problem = unsupported_reason(constrained, reasoning)
-    if not defers:
-        assert problem is None
-        return
-    parameter, why = problem
-    assert parameter == "structured_outputs"
-    assert "reasoning_parser 'deepseek_r1'" in why and "without a reasoning parser" in why
-
-
 END = 9  # the reasoning's end marker in the steps below
 
 
@@ -310,16 +282,3 @@ def test_reasoning_end_latch_leaves_other_engines_and_requests_to_vllm(ddtree, e
     should_advance = _latching_reasoning_end_anywhere(lambda manager, request: "0.26's answer")
     assert should_advance(manager, request) == "0.26's answer"
     assert not request.structured_output_request.reasoning_ended
-
-
-def test_this_vllm_serves_structured_output_after_reasoning():
-    """The CPU build (0.32) advances the grammar past a reasoning end anywhere in a step's tokens: served, and
-    token-identical to no speculation (tests/e2e/test_structured_output.py)."""
-    pytest.importorskip("vllm")
-    import vllm
-
-    from vllm_ddtree.compat import scheduler_defers_grammar_at_reasoning_end
-
-    if vllm.__version__.startswith("0.26"):
-        pytest.skip("vLLM 0.26 refuses it (the test above)")
-    assert not scheduler_defers_grammar_at_reasoning_end()
