@@ -14,7 +14,9 @@
 # so a call cut short still brings a drafter back. Generation past that limit stops between chunks of 4,096 answers
 # and the script ends with train rc=3: the answers so far stay in /tmp/smollm2-dflash, and the same command on the
 # same warm machine goes on from them (session 31: LATER_TURNS=1 EXTRA_ROUNDS=1 without carried answers needed more
-# than one 600 s call for generation alone, and the call limit cut the first attempt with nothing saved).
+# than one 600 s call for generation alone, and the call limit cut the first attempt with nothing saved). Answers
+# complete but the limit already past: no feature store is built (session 45's T1 lost ~100 s to one), one step runs,
+# a checkpoint is saved, and the same command again resumes from it.
 # GEN_GRAPHS=1: the vLLM generator decodes from FULL CUDA graphs in waves of 1024 prompts (train_drafter.py
 # --gen-cuda-graphs). Session 36: 25-34k tok/s against eager's 20-29k, so ~1.2x at most: the generator is bound by
 # the host's work per request, not by the GPU (docs/benchmarks.md, "Session 36 on the H200").

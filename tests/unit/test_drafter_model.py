@@ -688,6 +688,28 @@ def test_generation_past_the_time_limit_stops_with_the_answers_kept_and_the_reru
     assert (tmp_path / "responses.jsonl").read_text() == banked
 
 
+def test_a_time_limit_past_before_training_skips_the_feature_store(tmp_path, one_cpu_thread, capsys):
+    """Session 45's first training call spent its last ~100 s building a feature store that the call's end then
+    threw away: with the time limit already past when training would begin, no store is built (the one step the
+    loop still runs takes the target's features directly), and the same command with --resume builds it and trains
+    on from that step."""
+    from tests.tiny_models import make_tiny_target
+    from vllm_ddtree.drafter.train import TrainConfig, train
+
+    target = make_tiny_target(tmp_path / "target")
+    prompts = [[5, 40, 90], [6, 41, 91]]
+    run = dict(target=str(target), out=str(tmp_path / "run"), block_size=4, num_layers=1, max_new_tokens=6, steps=3,
+               batch_size=2, anchors_per_seq=1, warmup_steps=1, eval_every=0, save_every=0, device="cpu")
+    train(TrainConfig(**run, time_limit_s=0.0), prompt_ids=prompts)
+    out = capsys.readouterr().out
+    assert "feature store: skipped, the time limit (0 s) is past" in out and "feature store: 2 answers" not in out
+    assert json.loads((tmp_path / "run" / "report.json").read_text())["steps"] == 1
+
+    train(TrainConfig(**run, resume=True), prompt_ids=prompts)
+    assert "feature store: 2 answers" in capsys.readouterr().out
+    assert json.loads((tmp_path / "run" / "report.json").read_text())["steps"] == 3
+
+
 def test_vllm_generator_engine_that_fails_to_start_raises_its_error(tmp_path):
     """A generator engine in a process of its own that cannot start (here: no model at the path) sends its error
     back: the parent raises it, naming the engine, instead of waiting for answers that never come."""

@@ -764,7 +764,10 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
         tqdm.write(json.dumps(point))
 
     store = None  # no steps left (steps=0, or resumed at the end): no features needed
-    if start < cfg.steps:
+    if start < cfg.steps and _past(deadline):  # the one step still run needs none; a store built now dies with the call
+        print(f"feature store: skipped, the time limit ({cfg.time_limit_s:.0f} s) is past; the same command again "
+              "resumes from the answers and builds it", flush=True)
+    elif start < cfg.steps:
         store = _feature_store(cfg, target, seqs, layer_ids, pad_id, text_config.hidden_size)
     if heldout_batch is not None and start == 0 and cfg.init_from:  # where a run from a saved drafter begins
         heldout_point(0, None)
