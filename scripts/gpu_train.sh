@@ -21,14 +21,15 @@
 # --gen-cuda-graphs). Session 36: 25-34k tok/s against eager's 20-29k, so ~1.2x at most: the generator is bound by
 # the host's work per request, not by the GPU (docs/benchmarks.md, "Session 36 on the H200").
 # GEN_ENGINES=N: N generator engines answer side by side, each in its own process (train_drafter.py --gen-engines;
-# new in session 36, not yet run on a GPU): the host work spreads over N of the machine's 16 cores.
+# new in session 36; sessions 37 and 45 on an H100): the host work spreads over N of the machine's 16 cores.
 # SAVE_RESPONSES=1 brings the generated answers back; carried later as .gpu/answers they skip the generation.
 # EXTRA_ROUNDS=N generates N more answers per prompt at T 0.7 after the carried ones (~2 min per round of 13.5k).
 # LATER_TURNS=1 adds every later user turn of the training conversations as a prompt, answered once greedily after
 # all other answers (~37k distinct turns, most within 256 prompt tokens): more distinct prompts than EXTRA_ROUNDS.
 # SELF_PROMPTS=N: the target writes N user turns itself (sampled from its chat template's user opening; session 38),
 # the usable ones answered once greedily after all other answers: distinct prompts beyond the packages' (~40 s per 10k
-# with 4 engines, estimated; not yet run on a GPU).
+# with 4 engines, estimated; session 45: 122 s for 20,000 with 4 engines, 16,839 usable). SELF_PROMPTS_FROM=K writes
+# samples K .. K + N - 1 instead (new prompts for a drafter trained on the first K).
 # LR sets the peak learning rate (default 1e-3). From INIT_FROM, 1e-3 set the shipped drafter back: it ended its own
 # training at a held-out loss of 3.18, and the run from it was at 3.71 after 250 steps (session 19, call 10; the
 # held-out point at step 0 now shows where such a run starts). 2e-4 improved it (session 20: 3.13 -> 2.83 in 7,000 steps).
@@ -54,7 +55,7 @@ left=$(( ${TRAIN_S:-540} - (SECONDS - started) - 15 ))  # 15 s to pack the draft
 [ "$left" -ge 180 ] || { echo "TRAIN_S=${TRAIN_S:-540} leaves ${left} s after the conversion; give it >= 180 s more"; exit 1; }
 timeout "$left" python scripts/train_drafter.py --target /tmp/smollm2 --out /tmp/smollm2-dflash \
   --block-size 16 --num-layers "${NUM_LAYERS:-2}" --num-prompts "${PROMPTS:-16000}" --generator "${GENERATOR:-vllm}" \
-  --responses-per-prompt "${RESPONSES:-2}" --extra-answer-rounds "${EXTRA_ROUNDS:-0}" ${LATER_TURNS:+--later-turns} ${SELF_PROMPTS:+--self-prompts $SELF_PROMPTS} --greedy-first --temperature 0.7 \
+  --responses-per-prompt "${RESPONSES:-2}" --extra-answer-rounds "${EXTRA_ROUNDS:-0}" ${LATER_TURNS:+--later-turns} ${SELF_PROMPTS:+--self-prompts $SELF_PROMPTS} ${SELF_PROMPTS_FROM:+--self-prompts-from $SELF_PROMPTS_FROM} --greedy-first --temperature 0.7 \
   --gen-batch-size 256 --steps "${STEPS:-4000}" --lr "${LR:-1e-3}" --weight-decay 0.01 --eval-every 250 \
   --batch-size 32 --loss-decay 7 --save-every 250 --time-limit-s "$(( left - 105 ))" ${GEN_GRAPHS:+--gen-cuda-graphs} ${GEN_ENGINES:+--gen-engines $GEN_ENGINES} $resume ${NO_FEATURE_STORE:+--no-feature-store} ${SOFT_LABELS:+--soft-labels $SOFT_LABELS} ${INIT_FROM:+--init-from "$INIT_FROM"} 2>&1 | tr '\r' '\n' | grep --line-buffered -v "^\s*$" | awk 'NR % 20 == 1 || /Error|error|warning|report|acceptance|heldout|generated|time limit|stopped|feature store|{/ {print; fflush()}' \
   > "$OUT/train.log"

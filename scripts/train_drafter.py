@@ -46,6 +46,9 @@ def parse_args(argv=None) -> TrainConfig:
     p.add_argument("--self-prompts", type=int, default=0, metavar="N",
                    help="more prompts still: N user turns sampled from the target itself (the Magpie recipe), the "
                         "usable ones answered once after all other answers (--generator vllm)")
+    p.add_argument("--self-prompts-from", type=int, default=0, metavar="K",
+                   help="the first self-written prompt's index: samples K .. K + N - 1 (a later session's new "
+                        "prompts: K past the samples an earlier drafter was trained on)")
     p.add_argument("--greedy-first", action="store_true",
                    help="the first answer of each prompt greedy, the others sampled at --temperature (vllm generator)")
     p.add_argument("--gen-batch-size", type=int, default=defaults["gen_batch_size"])

@@ -49,5 +49,13 @@ def test_written_prompts_are_kept_across_reruns_and_answered_last(smollm2, token
     again = written_prompts(TrainConfig(**cfg, self_prompts=8), tokenizer, {tokenizer.eos_token_id})
     assert again[: len(first)] == first
     assert [a["prompt"] for a in answers] == prompts + encode_prompts(tokenizer, again, True, 96)
+    later = written_prompts(TrainConfig(**cfg, self_prompts=2, self_prompts_from=6), tokenizer,
+                            {tokenizer.eos_token_id})  # samples 6 and 7, in a file of their own
+    kept_path = tmp_path / "run" / "self_prompts-from-6.jsonl"
+    kept = [json.loads(line)["text"] for line in kept_path.read_text().splitlines()]
+    assert kept == [json.loads(line)["text"] for line in path.read_text().splitlines()][6:8]
+    assert set(later) <= {t.strip() for t in kept if t is not None}  # samples 6, 7 of the run above: same seeds
     with pytest.raises(ValueError, match="self_prompts=4 with generator='hf'"):
         train(TrainConfig(**dict(cfg, generator="hf"), self_prompts=4), prompt_ids=prompts)
+    with pytest.raises(ValueError, match="self_prompts_from=-1"):
+        train(TrainConfig(**cfg, self_prompts=2, self_prompts_from=-1), prompt_ids=prompts)

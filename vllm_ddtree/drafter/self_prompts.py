@@ -7,7 +7,8 @@ accepts ~15% more on ShareGPT prompts whose answers it was trained on than on he
 memorised them, and the packages' ~53k distinct training turns are all in use.
 
 OUT/self_prompts.jsonl keeps every sample in order (sample i is drawn with seed ``SEED + i``), so a rerun goes on
-from it and a banked answer file stays valid: the answers' plan depends on these texts.
+from it and a banked answer file stays valid: the answers' plan depends on these texts. With ``self_prompts_from``
+K > 0 the samples are K, K + 1, ... (seeds ``SEED + K + i``), kept in OUT/self_prompts-from-K.jsonl.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def written_prompts(cfg, tokenizer, eos_ids: set[int], deadline: float | None = 
     from vllm_ddtree.drafter import data
     from vllm_ddtree.drafter.train import AnswersIncomplete, generate_responses_vllm
 
-    path = Path(cfg.out) / "self_prompts.jsonl"
+    first = cfg.self_prompts_from
+    path = Path(cfg.out) / ("self_prompts.jsonl" if first == 0 else f"self_prompts-from-{first}.jsonl")
     path.parent.mkdir(parents=True, exist_ok=True)
     samples = [json.loads(line)["text"] for line in path.read_text().splitlines()] if path.exists() else []
     samples = samples[: cfg.self_prompts]
@@ -62,7 +64,7 @@ def written_prompts(cfg, tokenizer, eos_ids: set[int], deadline: float | None = 
     if todo > 0:
         opening = user_turn_opening(tokenizer)
         chunks = generate_responses_vllm(cfg.target, [opening] * todo, cfg.max_prompt_len, [TEMPERATURE] * todo,
-                                         SEED + len(samples), eos_ids, deadline=deadline,
+                                         SEED + first + len(samples), eos_ids, deadline=deadline,
                                          cuda_graphs=cfg.gen_cuda_graphs, engines=cfg.gen_engines)  # fmt: skip
         for chunk in chunks:
             texts = [tokenizer.decode(ids, skip_special_tokens=True) if ids and ids[-1] in eos_ids else None

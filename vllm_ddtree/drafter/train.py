@@ -58,6 +58,9 @@ class TrainConfig:
     # More prompts still: this many user turns sampled from the target itself (`self_prompts.written_prompts`), the
     # usable ones answered once (greedy with `greedy_first`) after all the answers above. vLLM generator only.
     self_prompts: int = 0
+    # The first sample's index: sample i is drawn with seed SEED + self_prompts_from + i. A later session sets it
+    # past the samples the shipped drafter was trained on, so the target writes new prompts.
+    self_prompts_from: int = 0
     gen_batch_size: int = 64
     generator: str = "hf"  # "hf" (transformers) or "vllm"
     # vllm generator on CUDA: decode steps replay FULL CUDA graphs (no torch.compile), prompts in waves of
@@ -677,6 +680,8 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
     if cfg.self_prompts < 0 or (cfg.self_prompts and cfg.generator != "vllm"):
         raise ValueError(f"self_prompts={cfg.self_prompts} with generator={cfg.generator!r}: it needs to be 0, or > 0 "
                          "with generator='vllm' (the target writes its prompts with vLLM)")
+    if cfg.self_prompts_from < 0:
+        raise ValueError(f"self_prompts_from={cfg.self_prompts_from}: the first self-written prompt's index is >= 0")
     if cfg.gen_engines < 1 or (cfg.gen_engines > 1 and cfg.generator != "vllm"):
         raise ValueError(f"gen_engines={cfg.gen_engines} with generator={cfg.generator!r}: it needs to be 1, or > 1 "
                          "with generator='vllm' (engines side by side are vLLM engines)")
