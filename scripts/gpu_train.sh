@@ -47,7 +47,9 @@ python scripts/convert_smollm2.py --out /tmp/smollm2 > "$OUT/convert.log" 2>&1 |
 # Answers of an earlier session (SAVE_RESPONSES=1 below brought them back; kept here in .gpu/answers, carried): the
 # ~4.4 min of generation are skipped. train_drafter.py reads them by position, so PROMPTS and RESPONSES must match.
 mkdir -p /tmp/smollm2-dflash
-if [ -f .gpu/answers/responses.jsonl.xz ] && [ ! -f /tmp/smollm2-dflash/responses.jsonl ]; then
+if [ -f .gpu/answers/answers.tar.xz ] && [ ! -f /tmp/smollm2-dflash/responses.jsonl ]; then  # answers + self-prompts
+  xz -dc .gpu/answers/answers.tar.xz | tar -x -C /tmp/smollm2-dflash && echo "answers: $(wc -l < /tmp/smollm2-dflash/responses.jsonl) from .gpu/answers"
+elif [ -f .gpu/answers/responses.jsonl.xz ] && [ ! -f /tmp/smollm2-dflash/responses.jsonl ]; then  # sessions <= 45
   xz -dc .gpu/answers/responses.jsonl.xz > /tmp/smollm2-dflash/responses.jsonl && echo "answers: $(wc -l < /tmp/smollm2-dflash/responses.jsonl) from .gpu/answers"
 fi
 resume=""; [ -d /tmp/smollm2-dflash/checkpoints ] && resume="--resume"
@@ -65,9 +67,16 @@ if [ -f /tmp/smollm2-dflash/report.json ]; then
   tar -C /tmp/smollm2-dflash -cJf - drafter | split -b 15M -d - "$OUT/drafter.tar.xz.part"
   ls -la "$OUT"
 fi
-# SAVE_RESPONSES=1: the answers come back too (at most 8 files per call: the drafter's parts may need a call of
-# their own). Here: `cat <files_at>/responses.jsonl.xz.part* > .gpu/answers/responses.jsonl.xz`.
+# SAVE_RESPONSES=1: the answers come back too, with the prompts the target wrote (self_prompts*.jsonl: the answers'
+# plan depends on them), as answers.tar.xz.part* (~13 MB for 79k answers; a call returns at most 8 files). Here:
+# `bash scripts/gpu_bank_answers.sh <files_at>` keeps them in .gpu/answers/ and in ../answer-bank/ (outside the
+# checkout: a later session's fresh checkout may lack .gpu/). A later T1 carrying .gpu/answers answers only the
+# prompts past the banked ones, e.g. SELF_PROMPTS=40000 with the same SELF_PROMPTS_FROM writes and answers 20,000 more.
 if [ "${SAVE_RESPONSES:-0}" = 1 ] && [ -f /tmp/smollm2-dflash/responses.jsonl ]; then
-  xz -T0 -6 -c /tmp/smollm2-dflash/responses.jsonl | split -b 15M -d - "$OUT/responses.jsonl.xz.part"
-  ls -la "$OUT"/responses.jsonl.xz.part*
+  (cd /tmp/smollm2-dflash && ls responses.jsonl self_prompts*.jsonl 2>/dev/null | tar -cf - -T - | xz -T0 -6 -c) \
+    | split -b 15M -d - "$OUT/answers.tar.xz.part"
+  ls -la "$OUT"/answers.tar.xz.part*
 fi
+# The JIT and compile caches a fresh machine fills (its first vLLM engine took ~2 min to start in session 46)
+du -sh ~/.cache/vllm ~/.cache/flashinfer ~/.triton ~/.cache/torch 2>/dev/null | sed 's/^/cache: /'
+

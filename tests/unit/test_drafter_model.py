@@ -503,6 +503,33 @@ def test_feature_store_rows_are_the_per_batch_outputs(tmp_path, one_cpu_thread):
     assert FeatureStore.build(model, sequences[:2], layer_ids, pad_id=0).rows.top_ids is None  # top_k 0: none kept
 
 
+def test_a_store_build_that_would_end_past_its_deadline_stops(tmp_path, one_cpu_thread, capsys):
+    """`FeatureStore.build(deadline=...)`: once the pace of the batches so far says the build ends past its
+    deadline, it stops and returns None; with a deadline it keeps, the rows are those of a build without one.
+    `_feature_store` asks for it to take at most half the time left (session 46's T2 built a store in 131 s with
+    ~132 s left, then trained one step): with the limit reached, the target runs at every step instead."""
+    import time
+
+    from tests.tiny_models import make_tiny_target
+    from vllm_ddtree.drafter.features import FeatureStore
+    from vllm_ddtree.drafter.train import Sequence, TrainConfig, _feature_store, load_target
+
+    model, _ = load_target(str(make_tiny_target(tmp_path / "target", num_layers=3)), torch.device("cpu"), "float32")
+    rng = random.Random(2)
+    sequences = [[rng.randrange(3, 60) for _ in range(rng.randrange(2, 30))] for _ in range(9)]
+    build = dict(layer_ids=[0, 2], pad_id=0, tokens_per_batch=60)
+    assert FeatureStore.build(model, sequences, **build, deadline=time.monotonic() - 1) is None
+    assert "feature store: stopped at" in capsys.readouterr().out
+    kept = FeatureStore.build(model, sequences, **build, deadline=time.monotonic() + 3600)
+    assert torch.equal(kept.rows.features, FeatureStore.build(model, sequences, **build).rows.features)
+
+    cfg = TrainConfig(target=str(tmp_path / "target"), out=str(tmp_path / "run"), device="cpu")
+    seqs = [Sequence(ids[:1], ids[1:]) for ids in sequences]
+    assert _feature_store(cfg, model, seqs, [0, 2], 0, 64, deadline=time.monotonic() - 1) is None
+    assert "feature store: off, it would take more than half the time left" in capsys.readouterr().out
+    assert _feature_store(cfg, model, seqs, [0, 2], 0, 64, deadline=time.monotonic() + 3600) is not None
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the pinned-memory copy to a GPU needs CUDA (run on the device)"))])
 def test_a_store_split_between_device_and_host_gathers_what_the_whole_store_does(tmp_path, one_cpu_thread, device):

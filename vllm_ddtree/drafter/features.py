@@ -8,6 +8,7 @@ first step; a step then gathers its batch's rows.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,10 @@ def target_features(model, input_ids: torch.Tensor, seq_lens: torch.Tensor, laye
     return target_outputs(model, input_ids, seq_lens, layer_ids).features
 
 
+PROJECT_AFTER = 0.05  # FeatureStore.build projects its end once this share of the padded tokens is done (the first
+# batches include the kernels' warm-up)
+
+
 class FeatureStore:
     """``target_outputs`` of a fixed list of token sequences, computed once: rows of all sequences back to back.
 
@@ -83,9 +88,12 @@ class FeatureStore:
 
     @classmethod
     def build(cls, model, sequences: list[list[int]], layer_ids: list[int], pad_id: int, top_k: int = 0,
-              tokens_per_batch: int = 16384, device_bytes: int | None = None) -> FeatureStore:
+              tokens_per_batch: int = 16384, device_bytes: int | None = None, deadline: float | None = None
+              ) -> FeatureStore | None:  # fmt: skip
         """Run the target over ``sequences`` (longest first, ``tokens_per_batch`` padded tokens per forward).
-        Sequences keep their rows on the device in index order while they fit ``device_bytes`` (None: all)."""
+        Sequences keep their rows on the device in index order while they fit ``device_bytes`` (None: all).
+        ``deadline`` (a `time.monotonic()` value): once it has passed, or the pace so far (over PROJECT_AFTER of
+        the padded tokens at least) says the build would end past it, the build stops and returns None."""
         from tqdm.auto import tqdm
 
         device = next(model.parameters()).device
@@ -99,8 +107,18 @@ class FeatureStore:
                 batch = []
             batch.append(i)
         batches += [batch] if batch else []
+        padded = sum(len(sequences[b[0]]) * len(b) for b in batches)  # the whole build's padded tokens
+        began, padded_done = time.monotonic(), 0
         for batch in tqdm(batches, desc="target features", unit="batch", mininterval=10):
             T = len(sequences[batch[0]])
+            now = time.monotonic()
+            projected_end = began + (now - began) * padded / max(padded_done, 1)
+            if deadline is not None and (now > deadline or padded_done >= PROJECT_AFTER * padded
+                                         and projected_end > deadline):
+                print(f"feature store: stopped at {padded_done / padded:.0%} after {now - began:.0f} s: at this pace "
+                      "it would end past its deadline", flush=True)
+                return None
+            padded_done += T * len(batch)
             input_ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
             for b, i in enumerate(batch):
                 input_ids[b, : len(sequences[i])] = torch.tensor(sequences[i])
