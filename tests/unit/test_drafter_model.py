@@ -467,6 +467,34 @@ def test_a_run_stopped_by_its_time_limit_resumes_from_that_step(tmp_path, one_cp
     assert json.loads((run / "report.json").read_text())["steps"] == 4
 
 
+def test_target_features_are_the_chosen_decoder_layers_outputs(tmp_path, one_cpu_thread):
+    """`target_outputs`' features are the residual stream each chosen decoder layer outputs (the oracle: forward
+    hooks on the layers; the last layer's is the final norm's input, as vLLM takes it), both when only the decoder
+    runs (no top-k) and when the LM head runs for the top-k labels."""
+    from tests.tiny_models import make_tiny_target
+    from vllm_ddtree.drafter.features import target_outputs
+    from vllm_ddtree.drafter.train import load_target
+
+    model, _ = load_target(str(make_tiny_target(tmp_path / "target", num_layers=3)), torch.device("cpu"), "float32")
+    layers = model.get_decoder().layers
+    outputs = {}
+    hooks = [layer.register_forward_hook(lambda _m, _a, out, i=i: outputs.__setitem__(i, out[0] if isinstance(
+        out, tuple) else out)) for i, layer in enumerate(layers)]  # fmt: skip
+    input_ids = torch.tensor([[5, 9, 33, 41, 7], [6, 12, 50, 0, 0]])
+    seq_lens = torch.tensor([5, 3])
+    try:
+        for top_k in (0, 2):
+            outputs.clear()
+            got = target_outputs(model, input_ids, seq_lens, [0, 2], top_k=top_k)
+            expected = torch.cat([outputs[0], outputs[2]], dim=-1)  # [2, 5, 2 * 64]
+            for b, n in enumerate(seq_lens.tolist()):
+                torch.testing.assert_close(got.features[b, :n], expected[b, :n], rtol=0, atol=0)
+            assert (got.top_ids is None) == (top_k == 0)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 def test_feature_store_rows_are_the_per_batch_outputs(tmp_path, one_cpu_thread):
     """`FeatureStore`: built once over sequences of different lengths (batched longest first, a token budget that
     splits them over several forwards), a gathered batch equals `target_outputs` of that padded batch (features

@@ -37,6 +37,8 @@ def target_outputs(model, input_ids: torch.Tensor, seq_lens: torch.Tensor, layer
 
     HF's ``hidden_states[i + 1]`` is the output of decoder layer i, except for the last layer, where HF returns
     the final-normed state; vLLM takes the un-normed one, so that one is caught at the final norm's input.
+    Without ``top_k`` only the decoder runs: the LM head's logits ([B, T, vocab], 1.6 GB in bf16 for a store
+    batch of 16,384 tokens of SmolLM2) are not needed.
     """
     T = input_ids.shape[1]
     attention_mask = (torch.arange(T, device=input_ids.device) < seq_lens.unsqueeze(-1)).long()
@@ -45,7 +47,8 @@ def target_outputs(model, input_ids: torch.Tensor, seq_lens: torch.Tensor, layer
     captured = {}
     hook = base.norm.register_forward_pre_hook(lambda _m, args: captured.__setitem__("pre_norm", args[0]))
     try:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+        out = (model if top_k > 0 else base)(input_ids=input_ids, attention_mask=attention_mask,
+                                             output_hidden_states=True, use_cache=False)
     finally:
         hook.remove()
     states = [captured["pre_norm"] if i == num_layers - 1 else out.hidden_states[i + 1] for i in layer_ids]
