@@ -531,14 +531,16 @@ def test_feature_store_rows_are_the_per_batch_outputs(tmp_path, one_cpu_thread):
     assert FeatureStore.build(model, sequences[:2], layer_ids, pad_id=0).rows.top_ids is None  # top_k 0: none kept
 
 
-def test_a_store_build_that_would_end_past_its_deadline_stops(tmp_path, one_cpu_thread, capsys):
+def test_a_store_build_that_would_end_past_its_deadline_stops(tmp_path, one_cpu_thread, capsys, monkeypatch):
     """`FeatureStore.build(deadline=...)`: once the pace of the batches so far says the build ends past its
-    deadline, it stops and returns None; with a deadline it keeps, the rows are those of a build without one.
+    deadline, it stops and returns None; with a deadline it keeps, the rows are those of a build without one. The
+    pace is timed from the end of the first batch, whose kernels warm up (`_Pace`, on a fake clock).
     `_feature_store` asks for it to take at most half the time left (session 46's T2 built a store in 131 s with
     ~132 s left, then trained one step): with the limit reached, the target runs at every step instead."""
     import time
 
     from tests.tiny_models import make_tiny_target
+    from vllm_ddtree.drafter import features
     from vllm_ddtree.drafter.features import FeatureStore
     from vllm_ddtree.drafter.train import Sequence, TrainConfig, _feature_store, load_target
 
@@ -550,6 +552,16 @@ def test_a_store_build_that_would_end_past_its_deadline_stops(tmp_path, one_cpu_
     assert "feature store: stopped at" in capsys.readouterr().out
     kept = FeatureStore.build(model, sequences, **build, deadline=time.monotonic() + 3600)
     assert torch.equal(kept.rows.features, FeatureStore.build(model, sequences, **build).rows.features)
+
+    clock = iter([50.0, 51.0, 51.0])  # the first step ends at 50 s (after a slow warm-up), the second at 51 s
+    monkeypatch.setattr(features.time, "monotonic", lambda: next(clock))
+    pace = features._Pace(100)
+    assert pace.projected_end() is None  # nothing timed yet
+    pace.step(10)
+    assert pace.projected_end() is None  # the first step (warm-up) is not a pace
+    pace.step(10)
+    assert pace.projected_end() == 51.0 + 1.0 / 10 * 80  # 80 units left at the second step's 10 a second
+    monkeypatch.undo()
 
     cfg = TrainConfig(target=str(tmp_path / "target"), out=str(tmp_path / "run"), device="cpu")
     seqs = [Sequence(ids[:1], ids[1:]) for ids in sequences]

@@ -95,8 +95,8 @@ class FeatureStore:
               ) -> FeatureStore | None:  # fmt: skip
         """Run the target over ``sequences`` (longest first, ``tokens_per_batch`` padded tokens per forward).
         Sequences keep their rows on the device in index order while they fit ``device_bytes`` (None: all).
-        ``deadline`` (a `time.monotonic()` value): once it has passed, or the pace so far (over PROJECT_AFTER of
-        the padded tokens at least) says the build would end past it, the build stops and returns None."""
+        ``deadline`` (a `time.monotonic()` value): once it has passed, or the pace so far (`_Pace`, in padded
+        tokens) says the build would end past it, the build stops and returns None."""
         from tqdm.auto import tqdm
 
         device = next(model.parameters()).device
@@ -110,18 +110,14 @@ class FeatureStore:
                 batch = []
             batch.append(i)
         batches += [batch] if batch else []
-        padded = sum(len(sequences[b[0]]) * len(b) for b in batches)  # the whole build's padded tokens
-        began, padded_done = time.monotonic(), 0
+        pace = _Pace(sum(len(sequences[b[0]]) * len(b) for b in batches))  # in padded tokens
         for batch in tqdm(batches, desc="target features", unit="batch", mininterval=10):
             T = len(sequences[batch[0]])
-            now = time.monotonic()
-            projected_end = began + (now - began) * padded / max(padded_done, 1)
-            if deadline is not None and (now > deadline or padded_done >= PROJECT_AFTER * padded
-                                         and projected_end > deadline):
-                print(f"feature store: stopped at {padded_done / padded:.0%} after {now - began:.0f} s: at this pace "
-                      "it would end past its deadline", flush=True)
+            end = pace.projected_end()
+            if deadline is not None and (time.monotonic() > deadline or end is not None and end > deadline):
+                print(f"feature store: stopped at {pace.share_done():.0%}: at its pace it would end past its "
+                      "deadline", flush=True)
                 return None
-            padded_done += T * len(batch)
             input_ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
             for b, i in enumerate(batch):
                 input_ids[b, : len(sequences[i])] = torch.tensor(sequences[i])
@@ -145,6 +141,7 @@ class FeatureStore:
                 for field, value in zip(_fields(store), _fields(outputs)):
                     if field is not None:
                         field[index.to(field.device)] = value[keep.to(device)].to(field.device)
+            pace.step(T * len(batch))
         if not on_host.any():
             host_rows = None
         return cls(rows, host_rows, starts, lengths, on_host)
@@ -184,6 +181,28 @@ class FeatureStore:
             out[host.nonzero().squeeze(1).to(device)] = staged.view(-1, T, field.shape[-1]).to(device, non_blocking=True)
             gathered.append(out)
         return TargetOutputs(*gathered)
+
+
+class _Pace:
+    """When a job of ``total`` units ends at its pace so far, timed from the end of its first step (which includes
+    the kernels' warm-up), once PROJECT_AFTER of the units are done."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.since = total, 0, None  # since: (time, units done) at the first step's end
+
+    def step(self, units: int) -> None:
+        self.done += units
+        if self.since is None:
+            self.since = (time.monotonic(), self.done)
+
+    def share_done(self) -> float:
+        return self.done / max(self.total, 1)
+
+    def projected_end(self) -> float | None:
+        if self.since is None or self.done < PROJECT_AFTER * self.total or self.done == self.since[1]:
+            return None
+        now, (began, done_then) = time.monotonic(), self.since
+        return now + (now - began) / (self.done - done_then) * (self.total - self.done)
 
 
 def _empty_rows(like: TargetOutputs, num_rows: int, device: torch.device) -> TargetOutputs:
