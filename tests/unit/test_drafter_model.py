@@ -536,7 +536,8 @@ def test_a_store_build_that_would_end_past_its_deadline_stops(tmp_path, one_cpu_
     deadline, it stops and returns None; with a deadline it keeps, the rows are those of a build without one. The
     pace is timed from the end of the first batch, whose kernels warm up (`_Pace`, on a fake clock).
     `_feature_store` asks for it to take at most half the time left (session 46's T2 built a store in 131 s with
-    ~132 s left, then trained one step): with the limit reached, the target runs at every step instead."""
+    ~132 s left, then trained one step): otherwise, or with the limit already past (no build at all), the target
+    runs at every step instead."""
     import time
 
     from tests.tiny_models import make_tiny_target
@@ -547,11 +548,11 @@ def test_a_store_build_that_would_end_past_its_deadline_stops(tmp_path, one_cpu_
     model, _ = load_target(str(make_tiny_target(tmp_path / "target", num_layers=3)), torch.device("cpu"), "float32")
     rng = random.Random(2)
     sequences = [[rng.randrange(3, 60) for _ in range(rng.randrange(2, 30))] for _ in range(9)]
-    build = dict(layer_ids=[0, 2], pad_id=0, tokens_per_batch=60)
-    assert FeatureStore.build(model, sequences, **build, deadline=time.monotonic() - 1) is None
+    small_batches = dict(layer_ids=[0, 2], pad_id=0, tokens_per_batch=60)
+    assert FeatureStore.build(model, sequences, **small_batches, deadline=time.monotonic() - 1) is None
     assert "feature store: stopped at" in capsys.readouterr().out
-    kept = FeatureStore.build(model, sequences, **build, deadline=time.monotonic() + 3600)
-    assert torch.equal(kept.rows.features, FeatureStore.build(model, sequences, **build).rows.features)
+    kept = FeatureStore.build(model, sequences, **small_batches, deadline=time.monotonic() + 3600)
+    assert torch.equal(kept.rows.features, FeatureStore.build(model, sequences, **small_batches).rows.features)
 
     clock = iter([50.0, 51.0, 51.0])  # the first step ends at 50 s (after a slow warm-up), the second at 51 s
     monkeypatch.setattr(features.time, "monotonic", lambda: next(clock))
@@ -563,11 +564,23 @@ def test_a_store_build_that_would_end_past_its_deadline_stops(tmp_path, one_cpu_
     assert pace.projected_end() == 51.0 + 1.0 / 10 * 80  # 80 units left at the second step's 10 a second
     monkeypatch.undo()
 
-    cfg = TrainConfig(target=str(tmp_path / "target"), out=str(tmp_path / "run"), device="cpu")
+    cfg = TrainConfig(target=str(tmp_path / "target"), out=str(tmp_path / "run"), device="cpu", time_limit_s=60.0)
     seqs = [Sequence(ids[:1], ids[1:]) for ids in sequences]
-    assert _feature_store(cfg, model, seqs, [0, 2], 0, 64, deadline=time.monotonic() - 1) is None
+    build, asked = FeatureStore.build, []
+
+    def build_asked_by(*args, deadline, late=False, **kwargs):  # the real build; `late`: its deadline already past
+        asked.append(deadline)
+        return build(*args, deadline=time.monotonic() - 1 if late else deadline, **kwargs)
+
+    monkeypatch.setattr(FeatureStore, "build", build_asked_by)
+    now = time.monotonic()
+    assert _feature_store(cfg, model, seqs, [0, 2], 0, 64, deadline=now + 100) is not None
+    assert now + 50 <= asked[-1] <= time.monotonic() + 50  # half the time left
+    monkeypatch.setattr(FeatureStore, "build", lambda *a, **k: build_asked_by(*a, late=True, **k))
+    assert _feature_store(cfg, model, seqs, [0, 2], 0, 64, deadline=time.monotonic() + 100) is None
     assert "feature store: off, it would take more than half the time left" in capsys.readouterr().out
-    assert _feature_store(cfg, model, seqs, [0, 2], 0, 64, deadline=time.monotonic() + 3600) is not None
+    assert _feature_store(cfg, model, seqs, [0, 2], 0, 64, deadline=time.monotonic() - 1) is None
+    assert "feature store: skipped, the time limit (60 s) is past" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -769,10 +769,7 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
         tqdm.write(json.dumps(point))
 
     store = None  # no steps left (steps=0, or resumed at the end): no features needed
-    if start < cfg.steps and _past(deadline):  # the one step still run needs none; a store built now dies with the call
-        print(f"feature store: skipped, the time limit ({cfg.time_limit_s:.0f} s) is past; the same command again "
-              "resumes from the answers and builds it", flush=True)
-    elif start < cfg.steps:
+    if start < cfg.steps:
         store = _feature_store(cfg, target, seqs, layer_ids, pad_id, text_config.hidden_size, deadline)
     if heldout_batch is not None and start == 0 and cfg.init_from:  # where a run from a saved drafter begins
         heldout_point(0, None)
@@ -842,8 +839,13 @@ def _feature_store(cfg: TrainConfig, target, seqs: list[Sequence], layer_ids: li
     limit, ``deadline``) the build takes at most half the time left; else None (a target forward per step).
     Steps from the store run ~2x as fast (session 37: 8-11 steps/s without it on an H100, ~18.6 with it), so a
     build pays for itself once as much time is left after it to train. Session 46's T2 built one in 131 s with
-    ~132 s left and trained one step from it."""
+    ~132 s left and trained one step from it; session 45's T1 built one past its limit, which the call's end threw
+    away (the one step still run then needs none)."""
     if not cfg.feature_store:
+        return None
+    if _past(deadline):
+        print(f"feature store: skipped, the time limit ({cfg.time_limit_s:.0f} s) is past; the same command again "
+              "resumes from the answers and builds it", flush=True)
         return None
     sequences = [s.ids for s in seqs]
     device = next(target.parameters()).device
