@@ -47,10 +47,15 @@ python scripts/convert_smollm2.py --out /tmp/smollm2 > "$OUT/convert.log" 2>&1 |
 # Answers of an earlier session (SAVE_RESPONSES=1 below brought them back; kept here in .gpu/answers, carried): the
 # ~4.4 min of generation are skipped. train_drafter.py reads them by position, so PROMPTS and RESPONSES must match.
 mkdir -p /tmp/smollm2-dflash
-if [ -f .gpu/answers/answers.tar.xz ] && [ ! -f /tmp/smollm2-dflash/responses.jsonl ]; then  # answers + self-prompts
-  xz -dc .gpu/answers/answers.tar.xz | tar -x -C /tmp/smollm2-dflash && echo "answers: $(wc -l < /tmp/smollm2-dflash/responses.jsonl) from .gpu/answers"
-elif [ -f .gpu/answers/responses.jsonl.xz ] && [ ! -f /tmp/smollm2-dflash/responses.jsonl ]; then  # sessions <= 45
-  xz -dc .gpu/answers/responses.jsonl.xz > /tmp/smollm2-dflash/responses.jsonl && echo "answers: $(wc -l < /tmp/smollm2-dflash/responses.jsonl) from .gpu/answers"
+if [ ! -f /tmp/smollm2-dflash/responses.jsonl ]; then
+  if [ -f .gpu/answers/answers.tar.xz ]; then  # answers + self-prompts
+    xz -dc .gpu/answers/answers.tar.xz | tar -x -C /tmp/smollm2-dflash
+  elif [ -f .gpu/answers/responses.jsonl.xz ]; then  # sessions <= 45: answers only
+    xz -dc .gpu/answers/responses.jsonl.xz > /tmp/smollm2-dflash/responses.jsonl
+  fi
+  if [ -f /tmp/smollm2-dflash/responses.jsonl ]; then
+    echo "answers: $(wc -l < /tmp/smollm2-dflash/responses.jsonl) from .gpu/answers"
+  fi
 fi
 resume=""; [ -d /tmp/smollm2-dflash/checkpoints ] && resume="--resume"
 left=$(( ${TRAIN_S:-540} - (SECONDS - started) - 15 ))  # 15 s to pack the drafter

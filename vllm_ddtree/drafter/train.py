@@ -855,7 +855,8 @@ def _feature_store(cfg: TrainConfig, target, seqs: list[Sequence], layer_ids: li
         print(f"feature store: off ({nbytes / 2**30:.1f} GiB against {why}); the target runs at every step")
         return None
     began = time.perf_counter()
-    build_by = None if deadline is None else time.monotonic() + (deadline - time.monotonic()) / 2
+    now = time.monotonic()
+    build_by = None if deadline is None else now + (deadline - now) / 2
     store = FeatureStore.build(target, sequences, layer_ids, pad_id, cfg.soft_labels, device_bytes=on_device,
                                deadline=build_by)
     if store is None:
