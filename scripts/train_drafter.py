@@ -88,6 +88,8 @@ def parse_args(argv=None) -> TrainConfig:
                    help="also train against the target's K most probable next tokens per position (0: hard labels only)")
     p.add_argument("--soft-weight", type=float, default=defaults["soft_weight"],
                    help="weight of the soft-label cross-entropy (the hard label's is 1 - W)")
+    p.add_argument("--profile-steps", type=int, default=defaults["profile_steps"],
+                   help="profile this many training steps (after a warm-up) with torch.profiler: OUT/profile.txt")
     p.add_argument("--no-feature-store", dest="feature_store", action="store_false",
                    help="run the target at every step instead of once per answer before training (FeatureStore)")
     args = vars(p.parse_args(argv))

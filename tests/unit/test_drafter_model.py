@@ -467,6 +467,32 @@ def test_a_run_stopped_by_its_time_limit_resumes_from_that_step(tmp_path, one_cp
     assert json.loads((run / "report.json").read_text())["steps"] == 4
 
 
+def test_profiled_steps_write_an_operator_table_and_leave_training_unchanged(tmp_path, one_cpu_thread,
+                                                                             monkeypatch):
+    """--profile-steps: the steps after the warm-up run under torch.profiler, whose operator table (the drafter's
+    matrix products among its rows) goes to OUT/profile.txt, also when the run ends inside the profiled window;
+    the weights are those of the same run unprofiled."""
+    from safetensors.torch import load_file
+
+    from tests.tiny_models import make_tiny_target
+    from vllm_ddtree.drafter import train as train_module
+    from vllm_ddtree.drafter.train import TrainConfig, train
+
+    monkeypatch.setattr(train_module, "PROFILE_AFTER", 1)
+    target = make_tiny_target(tmp_path / "target")
+    cfg = dict(target=str(target), block_size=4, num_layers=1, max_new_tokens=8, steps=3, batch_size=2,
+               anchors_per_seq=2, warmup_steps=1, eval_every=0, save_every=0, device="cpu", save_dtype="float32")
+    prompts = [[5, 40, 90], [6, 41, 91]]
+    plain = train(TrainConfig(**cfg, out=str(tmp_path / "plain")), prompt_ids=prompts)
+    assert not (tmp_path / "plain" / "profile.txt").exists()
+    profiled = train(TrainConfig(**cfg, out=str(tmp_path / "run"), profile_steps=5), prompt_ids=prompts)  # ends inside
+    table = (tmp_path / "run" / "profile.txt").read_text()
+    assert table.startswith("2 training steps from step 1, sorted by self_cpu_time_total")
+    assert "aten::mm" in table or "aten::addmm" in table
+    expected, got = load_file(str(plain / "model.safetensors")), load_file(str(profiled / "model.safetensors"))
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
+
+
 def test_target_features_are_the_chosen_decoder_layers_outputs(tmp_path, one_cpu_thread):
     """`target_outputs`' features are the residual stream each chosen decoder layer outputs (the oracle: forward
     hooks on the layers; the last layer's is the final norm's input, as vLLM takes it), both when only the decoder

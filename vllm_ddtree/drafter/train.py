@@ -101,6 +101,9 @@ class TrainConfig:
     # a second cross-entropy term of weight `soft_weight` (the hard label's weight is 1 - soft_weight). 0: hard only.
     soft_labels: int = 0
     soft_weight: float = 0.5
+    # Profile this many training steps (after PROFILE_AFTER warm-up steps) with torch.profiler and write the
+    # operators' own device (CPU: host) times to OUT/profile.txt: where a step's time goes, kernel by kernel. 0: off.
+    profile_steps: int = 0
 
 
 @dataclass
@@ -563,6 +566,46 @@ class PhaseClock:
             self._last = now
 
 
+PROFILE_AFTER = 20  # steps run before StepProfiler starts (compilation, allocator and autotuning warm-up)
+
+
+class StepProfiler:
+    """torch.profiler over training steps [first, first + steps): `tick(step)` before each step; the table of
+    operators by their own device time (host time on the CPU) goes to `path` and to the log."""
+
+    def __init__(self, device: torch.device, first: int, steps: int, path: Path):
+        self.device, self.first, self.steps, self.path = device, first, steps, path
+        self.profile = None
+
+    def tick(self, step: int) -> None:
+        if self.steps <= 0:
+            return
+        if step == self.first:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self.profile = profile(activities=activities)
+            self.profile.__enter__()
+        elif step == self.first + self.steps:
+            self.finish(step)
+
+    def finish(self, step: int) -> None:
+        """Stop before `step` and write the table (also for a loop that ended inside the profiled steps)."""
+        if self.profile is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.profile.__exit__(None, None, None)
+        sort_by = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"  # kernels first
+        table = self.profile.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=60)
+        self.path.write_text(f"{step - self.first} training steps from step {self.first}, sorted by {sort_by}\n{table}")
+        self.profile = None
+        from tqdm.auto import tqdm
+
+        for line in table.splitlines():
+            tqdm.write(f"profile: {line}")
+
+
 def _lr_lambda(cfg: TrainConfig):
     def schedule(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -779,8 +822,10 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
         heldout_point(start, None, resumed=True)
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="training", unit="step")
     clock = PhaseClock(device, every=cfg.eval_every)
+    profiler = StepProfiler(device, start + PROFILE_AFTER, cfg.profile_steps, out / "profile.txt")
     done = start  # steps completed
     for step in bar:
+        profiler.tick(step)
         clock.start(step)
         chosen = rng.sample(range(len(seqs)), min(cfg.batch_size, len(seqs)))  # the draws of rng.sample(seqs, ...)
         batch = sample_blocks([seqs[i] for i in chosen], drafter.config.block_size, cfg.anchors_per_seq,
@@ -820,6 +865,7 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
         if cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps:
             _save_checkpoint(out, done, drafter, optimizer, scheduler, rng, curve)
 
+    profiler.finish(done)
     final = drafter.save(out / "drafter", dtype=getattr(torch, cfg.save_dtype))
     report = {"steps": done, "final_loss": loss.item() if done > start else None,
               "responses": len(seqs), "passes": round(done * passes_per_step, 2),
