@@ -39,6 +39,7 @@
 # labels (half the loss; session 26: worse). Session 20: ~21 steps/s with the store (4 layers).
 # PROFILE_STEPS (default 10): that many steps after the first 20 run under torch.profiler; the kernels' table goes
 # to train.log ("profile:" lines; not a file of its own: a call brings back at most 8): where a step's ~60 ms go.
+# COMPILE=1: the step's drafter forward and loss run through torch.compile (train_drafter.py --compile).
 set -uo pipefail
 started=$SECONDS  # TRAIN_S bounds the whole script: conversion, generation, training and packing
 cd "$(dirname "$0")/.."
@@ -66,7 +67,7 @@ timeout "$left" python scripts/train_drafter.py --target /tmp/smollm2 --out /tmp
   --block-size 16 --num-layers "${NUM_LAYERS:-2}" --num-prompts "${PROMPTS:-16000}" --generator "${GENERATOR:-vllm}" \
   --responses-per-prompt "${RESPONSES:-2}" --extra-answer-rounds "${EXTRA_ROUNDS:-0}" ${LATER_TURNS:+--later-turns} ${SELF_PROMPTS:+--self-prompts $SELF_PROMPTS} ${SELF_PROMPTS_FROM:+--self-prompts-from $SELF_PROMPTS_FROM} --greedy-first --temperature 0.7 \
   --gen-batch-size 256 --steps "${STEPS:-4000}" --lr "${LR:-1e-3}" --weight-decay 0.01 --eval-every 250 \
-  --batch-size 32 --loss-decay 7 --save-every 250 --time-limit-s "$(( left - 105 ))" ${GEN_GRAPHS:+--gen-cuda-graphs} ${GEN_ENGINES:+--gen-engines $GEN_ENGINES} $resume --profile-steps "${PROFILE_STEPS:-10}" ${NO_FEATURE_STORE:+--no-feature-store} ${SOFT_LABELS:+--soft-labels $SOFT_LABELS} ${INIT_FROM:+--init-from "$INIT_FROM"} 2>&1 | tr '\r' '\n' | grep --line-buffered -v "^\s*$" | awk 'NR % 20 == 1 || /Error|error|warning|report|acceptance|heldout|generated|time limit|stopped|feature store|profile|{/ {print; fflush()}' \
+  --batch-size 32 --loss-decay 7 --save-every 250 --time-limit-s "$(( left - 105 ))" ${GEN_GRAPHS:+--gen-cuda-graphs} ${GEN_ENGINES:+--gen-engines $GEN_ENGINES} $resume --profile-steps "${PROFILE_STEPS:-10}" ${COMPILE:+--compile} ${NO_FEATURE_STORE:+--no-feature-store} ${SOFT_LABELS:+--soft-labels $SOFT_LABELS} ${INIT_FROM:+--init-from "$INIT_FROM"} 2>&1 | tr '\r' '\n' | grep --line-buffered -v "^\s*$" | awk 'NR % 20 == 1 || /Error|error|warning|report|acceptance|heldout|generated|time limit|stopped|feature store|profile|{/ {print; fflush()}' \
   > "$OUT/train.log"
 echo "train rc=${PIPESTATUS[0]}"; tail -5 "$OUT/train.log"
 if [ -f /tmp/smollm2-dflash/report.json ]; then

@@ -90,6 +90,8 @@ def parse_args(argv=None) -> TrainConfig:
                    help="weight of the soft-label cross-entropy (the hard label's is 1 - W)")
     p.add_argument("--profile-steps", type=int, default=defaults["profile_steps"],
                    help="profile this many training steps (after a warm-up) with torch.profiler: OUT/profile.txt")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the training step's drafter forward and loss (dynamic shapes; ~1 min first)")
     p.add_argument("--no-feature-store", dest="feature_store", action="store_false",
                    help="run the target at every step instead of once per answer before training (FeatureStore)")
     args = vars(p.parse_args(argv))

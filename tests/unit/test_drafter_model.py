@@ -493,6 +493,31 @@ def test_profiled_steps_write_an_operator_table_and_leave_training_unchanged(tmp
     assert all(torch.equal(got[name], expected[name]) for name in expected)
 
 
+def test_a_compiled_training_step_trains_as_the_eager_one(tmp_path, one_cpu_thread):
+    """--compile: the step's forward and loss through torch.compile (inductor, dynamic shapes: the batches below
+    differ in length) end with the eager run's weights, up to float rounding."""
+    from safetensors.torch import load_file
+
+    from tests.tiny_models import make_tiny_target
+    from vllm_ddtree.drafter.train import TrainConfig, train
+
+    target = make_tiny_target(tmp_path / "target")
+    cfg = dict(target=str(target), block_size=4, num_layers=1, max_new_tokens=10, steps=3, batch_size=2,
+               anchors_per_seq=2, warmup_steps=1, eval_every=0, save_every=0, device="cpu", save_dtype="float32")
+    prompts = [[5, 40, 90], [6, 41, 91, 17, 3], [7, 8], [9, 10, 11, 12]]
+    eager = load_file(str(train(TrainConfig(**cfg, out=str(tmp_path / "eager")), prompt_ids=prompts)
+                          / "model.safetensors"))  # fmt: skip
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = load_file(str(train(TrainConfig(**cfg, out=str(tmp_path / "compiled"), compile=True),
+                                   prompt_ids=prompts) / "model.safetensors"))  # fmt: skip
+    assert counters["stats"]["unique_graphs"] >= 1  # the steps ran compiled code
+    assert eager.keys() == compiled.keys()
+    for name in eager:
+        torch.testing.assert_close(compiled[name], eager[name], rtol=1e-4, atol=1e-5)
+
+
 def test_target_features_are_the_chosen_decoder_layers_outputs(tmp_path, one_cpu_thread):
     """`target_outputs`' features are the residual stream each chosen decoder layer outputs (the oracle: forward
     hooks on the layers; the last layer's is the final norm's input, as vLLM takes it), both when only the decoder

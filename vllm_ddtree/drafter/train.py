@@ -104,6 +104,9 @@ class TrainConfig:
     # Profile this many training steps (after PROFILE_AFTER warm-up steps) with torch.profiler and write the
     # operators' own device (CPU: host) times to OUT/profile.txt: where a step's time goes, kernel by kernel. 0: off.
     profile_steps: int = 0
+    # Run the training step's drafter forward and loss through torch.compile (dynamic shapes: one compilation for
+    # every batch length; ~1 min before the first step). The held-out points stay eager.
+    compile: bool = False
 
 
 @dataclass
@@ -822,6 +825,7 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
         heldout_point(start, None, resumed=True)
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="training", unit="step")
     clock = PhaseClock(device, every=cfg.eval_every)
+    step_loss = torch.compile(block_loss, dynamic=True) if cfg.compile else block_loss
     profiler = StepProfiler(device, start + PROFILE_AFTER, cfg.profile_steps, out / "profile.txt")
     done = start  # steps completed
     for step in bar:
@@ -838,8 +842,8 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
             outputs = store.gather(chosen, batch.input_ids.shape[1])
         clock.lap("target_features")
         with autocast:
-            loss, accuracy = block_loss(drafter, batch, outputs.features, cfg.loss_decay,
-                                        outputs if cfg.soft_labels else None, cfg.soft_weight)  # fmt: skip
+            loss, accuracy = step_loss(drafter, batch, outputs.features, cfg.loss_decay,
+                                       outputs if cfg.soft_labels else None, cfg.soft_weight)  # fmt: skip
         clock.lap("drafter_and_loss")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
