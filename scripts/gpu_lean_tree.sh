@@ -17,10 +17,12 @@ case "${1:-}" in
     fi
     [ -f "$hold/model.safetensors" ] || { echo "no drafter weights in $drafter or $hold"; exit 1; }
     bash scripts/gpu_parts.sh
-    bank=${ANSWER_BANK:-$(cd .. && pwd)/answer-bank}  # answers banked by scripts/gpu_bank_answers.sh
-    if [ -f "$bank/answers.tar.xz" ] && [ ! -f .gpu/answers/answers.tar.xz ]; then
-      mkdir -p .gpu/answers && cp "$bank/answers.tar.xz" .gpu/answers/ && echo "banked answers from $bank in .gpu/answers"
-    fi
+    bank=${GPU_BANK:-$(cd .. && pwd)/gpu-bank}  # archives banked by scripts/gpu_bank.sh
+    for name in answers jitcache; do
+      if [ -f "$bank/$name.tar.xz" ] && [ ! -f ".gpu/$name/$name.tar.xz" ]; then
+        mkdir -p ".gpu/$name" && cp "$bank/$name.tar.xz" ".gpu/$name/" && echo "banked $name from $bank in .gpu/$name"
+      fi
+    done
     mkdir -p .gpu/drafter
     tar -C "$drafter" -cf .gpu/drafter/drafter.tar --exclude=model.safetensors .
     tar -C "$hold" -rf .gpu/drafter/drafter.tar ./model.safetensors

@@ -13,6 +13,11 @@ if [ ! -f "$gguf" ] && [ -f /tmp/gguf-parts.count ] && [ "$(ls /tmp/gguf-parts |
   ls /tmp/gguf-parts/* | sort -V | xargs cat > "$gguf"
   echo "GGUF: $(sha256sum "$gguf" | cut -c1-16)"
 fi
+# JIT caches of an earlier session's machine (scripts/gpu_pack_caches.sh; .gpu/jitcache carried): unpacked before
+# the first vLLM engine starts, which otherwise spends ~100 s filling them.
+if [ -f .gpu/jitcache/jitcache.tar.xz ] && [ ! -f /tmp/jitcache.unpacked ]; then
+  tar -C "$HOME" -xJf .gpu/jitcache/jitcache.tar.xz && touch /tmp/jitcache.unpacked && echo "JIT caches in $HOME"
+fi
 # The shipped drafter, where scripts/gpu_lean_tree.sh left its weights out of the tree (.gpu/drafter carried).
 if [ -f .gpu/drafter/drafter.tar ] && [ ! -f /tmp/shipped-drafter/model.safetensors ]; then
   mkdir -p /tmp/shipped-drafter && tar -C /tmp/shipped-drafter -xf .gpu/drafter/drafter.tar && echo "drafter in /tmp/shipped-drafter"
