@@ -91,7 +91,8 @@ def parse_args(argv=None) -> TrainConfig:
     p.add_argument("--profile-steps", type=int, default=defaults["profile_steps"],
                    help="profile this many training steps (after a warm-up) with torch.profiler: OUT/profile.txt")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the training step's drafter forward and loss (dynamic shapes; ~1 min first)")
+                   help="torch.compile the training step's drafter forward and loss (dynamic shapes; the first step "
+                        "compiles: over 2 min on an H100, session 47)")
     p.add_argument("--no-feature-store", dest="feature_store", action="store_false",
                    help="run the target at every step instead of once per answer before training (FeatureStore)")
     args = vars(p.parse_args(argv))
