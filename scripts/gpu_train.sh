@@ -61,13 +61,16 @@ if [ ! -f /tmp/smollm2-dflash/responses.jsonl ]; then
   fi
 fi
 resume=""; [ -d /tmp/smollm2-dflash/checkpoints ] && resume="--resume"
+# ANNEAL=1 (default): the learning rate reaches its floor at the time limit (every device run so far stopped at
+# 39-63% of its STEPS, at 34-70% of the peak rate). ANNEAL=0 for a call that a resuming call (same machine) follows.
+anneal=""; [ "${ANNEAL:-1}" = 1 ] && anneal="--anneal-at-time-limit"
 left=$(( ${TRAIN_S:-540} - (SECONDS - started) - 15 ))  # 15 s to pack the drafter
 [ "$left" -ge 180 ] || { echo "TRAIN_S=${TRAIN_S:-540} leaves ${left} s after the conversion; give it >= 180 s more"; exit 1; }
 timeout "$left" python scripts/train_drafter.py --target /tmp/smollm2 --out /tmp/smollm2-dflash \
   --block-size 16 --num-layers "${NUM_LAYERS:-2}" --num-prompts "${PROMPTS:-16000}" --generator "${GENERATOR:-vllm}" \
   --responses-per-prompt "${RESPONSES:-2}" --extra-answer-rounds "${EXTRA_ROUNDS:-0}" ${LATER_TURNS:+--later-turns} ${SELF_PROMPTS:+--self-prompts $SELF_PROMPTS} ${SELF_PROMPTS_FROM:+--self-prompts-from $SELF_PROMPTS_FROM} --greedy-first --temperature 0.7 \
   --gen-batch-size 256 --steps "${STEPS:-4000}" --lr "${LR:-1e-3}" --weight-decay 0.01 --eval-every 250 \
-  --batch-size 32 --loss-decay 7 --save-every 250 --time-limit-s "$(( left - 105 ))" ${GEN_GRAPHS:+--gen-cuda-graphs} ${GEN_ENGINES:+--gen-engines $GEN_ENGINES} $resume --profile-steps "${PROFILE_STEPS:-10}" ${COMPILE:+--compile} ${NO_FEATURE_STORE:+--no-feature-store} ${SOFT_LABELS:+--soft-labels $SOFT_LABELS} ${INIT_FROM:+--init-from "$INIT_FROM"} 2>&1 | tr '\r' '\n' | grep --line-buffered -v "^\s*$" | awk 'NR % 20 == 1 || /Error|error|warning|report|acceptance|heldout|generated|time limit|stopped|feature store|profile|{/ {print; fflush()}' \
+  --batch-size 32 --loss-decay 7 --save-every 250 --time-limit-s "$(( left - 105 ))" ${GEN_GRAPHS:+--gen-cuda-graphs} ${GEN_ENGINES:+--gen-engines $GEN_ENGINES} $resume $anneal --profile-steps "${PROFILE_STEPS:-10}" ${COMPILE:+--compile} ${NO_FEATURE_STORE:+--no-feature-store} ${SOFT_LABELS:+--soft-labels $SOFT_LABELS} ${INIT_FROM:+--init-from "$INIT_FROM"} 2>&1 | tr '\r' '\n' | grep --line-buffered -v "^\s*$" | awk 'NR % 20 == 1 || /Error|error|warning|report|acceptance|heldout|generated|time limit|stopped|feature store|profile|{/ {print; fflush()}' \
   > "$OUT/train.log"
 echo "train rc=${PIPESTATUS[0]}"; tail -5 "$OUT/train.log"
 if [ -f /tmp/smollm2-dflash/report.json ]; then

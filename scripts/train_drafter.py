@@ -82,6 +82,9 @@ def parse_args(argv=None) -> TrainConfig:
     p.add_argument("--time-limit-s", type=float, default=None,
                    help="stop training this many seconds after the start (generation included), then save and "
                         "report as at the last step")
+    p.add_argument("--anneal-at-time-limit", action="store_true",
+                   help="with --time-limit-s: the learning rate's cosine also follows the clock and reaches its floor "
+                        "at the time limit (a run the limit ends is annealed, not stopped at a high learning rate)")
     p.add_argument("--init-from", default=None,
                    help="a saved drafter folder to start from (its architecture is kept; a new schedule and optimizer)")
     p.add_argument("--soft-labels", type=int, default=defaults["soft_labels"],

@@ -442,7 +442,55 @@ def test_a_time_limit_ends_training_early_with_a_drafter_and_a_report(tmp_path, 
     assert report["steps"] == 1 and report["stopped_at"] == {"step": 1, "of": 50, "time_limit_s": 0.0}
     assert [p["step"] for p in report["heldout_curve"]] == [1] and report["final_loss"] is not None
     assert "simulated_acceptance_length" in report
+    assert report["final_lr"] == pytest.approx(cfg.lr)  # by steps, the cosine had barely begun at step 1 of 50
     assert DFlashDrafter.load(drafter, torch.device("cpu")).config.block_size == 4
+
+
+def test_a_run_its_time_limit_ends_is_annealed_with_anneal_at_time_limit(tmp_path, one_cpu_thread):
+    """anneal_at_time_limit: the run the time limit ends after 1 of 50 steps leaves the learning rate at its floor
+    (the same run by steps alone: at its peak, above); without a time limit the option is refused by name."""
+    from tests.tiny_models import make_tiny_target
+    from vllm_ddtree.drafter.train import LR_FLOOR, TrainConfig, train
+
+    target = make_tiny_target(tmp_path / "target")
+    cfg = dict(target=str(target), block_size=4, num_layers=1, max_new_tokens=8, steps=50, batch_size=2,
+               anchors_per_seq=2, warmup_steps=1, eval_every=0, save_every=0, device="cpu", anneal_at_time_limit=True)
+    train(TrainConfig(**cfg, out=str(tmp_path / "run"), time_limit_s=0.0), prompt_ids=[[5, 40, 90], [6, 41, 91]])
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["stopped_at"]["step"] == 1 and report["final_lr"] == pytest.approx(TrainConfig.lr * LR_FLOOR)
+    with pytest.raises(ValueError, match="anneal_at_time_limit=True needs time_limit_s"):
+        train(TrainConfig(**cfg, out=str(tmp_path / "no-limit")), prompt_ids=[[5, 40, 90]])
+
+
+def test_the_learning_rate_follows_the_clock_to_its_floor_at_the_deadline():
+    """LearningRate against its formula: warm-up by steps; by steps alone a run stopped at 40% of its cosine is at
+    about two thirds of the peak; with `anneal_by` the progress is the larger of the steps' and the clock's share, which runs
+    from the progress where this call began (a resumed call: its first step's) to 1 at the deadline."""
+    import math
+
+    from vllm_ddtree.drafter.train import LR_FLOOR, LearningRate
+
+    def cosine(progress: float) -> float:
+        return LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    now = [0.0]
+    by_steps = LearningRate(10, 1010)
+    by_time = LearningRate(10, 1010, anneal_by=100.0, clock=lambda: now[0])
+    by_time.start(0)
+    assert by_steps(4) == by_time(4) == 0.5  # warm-up
+    now[0] = 50.0  # half the time, 40% of the steps
+    assert by_steps(410) == pytest.approx(cosine(0.4)) and 0.65 < cosine(0.4) < 0.70
+    assert by_time(410) == pytest.approx(cosine(0.5))
+    assert by_time(910) == pytest.approx(cosine(0.9))  # steps ahead of the clock: the steps' progress
+    now[0] = 100.0
+    assert by_time(420) == pytest.approx(LR_FLOOR)
+    now[0] = 130.0  # past the deadline: stays at the floor
+    assert by_time(430) == pytest.approx(LR_FLOOR)
+    resumed = LearningRate(10, 1010, anneal_by=200.0, clock=lambda: now[0])
+    now[0] = 100.0
+    resumed.start(510)  # a resumed call starts at progress 0.5
+    now[0] = 150.0  # half its time: progress 0.5 + 0.5 * 0.5
+    assert resumed(520) == pytest.approx(cosine(0.75))
 
 
 def test_a_run_stopped_by_its_time_limit_resumes_from_that_step(tmp_path, one_cpu_thread):

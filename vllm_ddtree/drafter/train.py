@@ -76,6 +76,10 @@ class TrainConfig:
     anchors_per_seq: int = 32
     lr: float = 1e-3
     warmup_steps: int = 100
+    # With `time_limit_s`: the cosine also follows the clock and reaches its floor at the time limit, so a run the
+    # limit ends is annealed (`LearningRate`). Device runs stopped at 39-63% of their steps (sessions 45, 46), with
+    # the learning rate still at 34-70% of its peak.
+    anneal_at_time_limit: bool = False
     weight_decay: float = 0.0
     loss_decay: float | None = None  # gamma: weight of offset k is exp(-(k - 1) / gamma); None = uniform
     save_every: int = 500
@@ -610,14 +614,38 @@ class StepProfiler:
             tqdm.write(f"profile: {line}")
 
 
-def _lr_lambda(cfg: TrainConfig):
-    def schedule(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+LR_FLOOR = 0.05  # the cosine's end, as a share of the peak learning rate
 
-    return schedule
+
+class LearningRate:
+    """The learning-rate factor of each step: a linear warm-up over `warmup_steps`, then a cosine from 1 to LR_FLOOR
+    over the run's progress. Progress is the step's share of `steps`; with `anneal_by` (a `clock()` deadline) it is
+    the larger of that and the clock's share, which runs from the progress where `start` was called (this call's
+    first step) to 1 at the deadline: a run its time limit ends still ends at the floor."""
+
+    def __init__(self, warmup_steps: int, steps: int, anneal_by: float | None = None, clock=time.monotonic):
+        self.warmup_steps, self.steps, self.anneal_by, self.clock = warmup_steps, steps, anneal_by, clock
+        self.began: tuple[float, float] | None = None  # (clock, progress) where this call's training began
+
+    def start(self, step: int) -> None:
+        if self.anneal_by is not None:
+            self.began = (self.clock(), self.step_progress(step))
+
+    def step_progress(self, step: int) -> float:
+        return min(1.0, max(0, step - self.warmup_steps) / max(1, self.steps - self.warmup_steps))
+
+    def progress(self, step: int) -> float:
+        progress = self.step_progress(step)
+        if self.began is not None:
+            began, progress_then = self.began
+            share = min(1.0, (self.clock() - began) / max(self.anneal_by - began, 1e-9))
+            progress = max(progress, progress_then + (1 - progress_then) * share)
+        return progress
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        return LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * self.progress(step)))
 
 
 def answer_plan(cfg: TrainConfig, prompt_ids: list[list[int]], later_prompt_ids: list[list[int]]
@@ -737,6 +765,9 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
             f"responses_per_prompt={cfg.responses_per_prompt} needs to be 1, or > 1 with temperature > 0 "
             f"(got temperature={cfg.temperature}): greedy answers to one prompt are all the same"
         )
+    if cfg.anneal_at_time_limit and cfg.time_limit_s is None:
+        raise ValueError("anneal_at_time_limit=True needs time_limit_s (the time at which the learning rate reaches "
+                         "its floor); set both, or leave anneal_at_time_limit off to anneal over `steps`")
     device = pick_device(cfg.device)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -778,7 +809,9 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
     eval_seqs = _eval_sequences(cfg, target, tokenizer, eval_prompt_ids, pad_id, eos_ids)
 
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+    learning_rate = LearningRate(cfg.warmup_steps, cfg.steps, deadline if cfg.anneal_at_time_limit else None)
+    # A plain function (not the object): LambdaLR's checkpointed state would restore an object's deadline.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate(step))
     start = 0
     if ckpt is not None:
         state = torch.load(ckpt / "trainer.pt", weights_only=False)
@@ -827,6 +860,7 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="training", unit="step")
     clock = PhaseClock(device, every=cfg.eval_every)
     step_loss = torch.compile(block_loss, dynamic=True) if cfg.compile else block_loss
+    learning_rate.start(start)
     profiler = StepProfiler(device, start + PROFILE_AFTER, cfg.profile_steps, out / "profile.txt")
     done = start  # steps completed
     for step in bar:
@@ -874,6 +908,7 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
     final = drafter.save(out / "drafter", dtype=getattr(torch, cfg.save_dtype))
     report = {"steps": done, "final_loss": loss.item() if done > start else None,
               "responses": len(seqs), "passes": round(done * passes_per_step, 2),
+              "final_lr": scheduler.get_last_lr()[0],
               "heldout_curve": curve}
     if done < cfg.steps:
         report["stopped_at"] = {"step": done, "of": cfg.steps, "time_limit_s": cfg.time_limit_s}
