@@ -182,6 +182,33 @@ def test_loss_decreases_on_a_toy_batch():
     assert losses[-1] < 0.5 * losses[0]
 
 
+def test_block_loss_is_the_weighted_cross_entropy_of_the_full_logits():
+    """block_loss (hard labels: the fused LM head and cross-entropy) against the formula on float32 logits from
+    `drafter.logits` (what it computed before session 48): the same loss, per-offset accuracy and gradients."""
+    torch.manual_seed(1)
+    drafter = tiny_drafter()
+    seqs = [Sequence([1, 2], [(7 * i + 3 * t) % 40 + 3 for t in range(11 + i)]) for i in range(3)]
+    batch = sample_blocks(seqs, 4, 5, MASK, 0, random.Random(1))
+    features = torch.randn(3, batch.input_ids.shape[1], 2 * H)
+    loss, accuracy = block_loss(drafter, batch, features, gamma=4.0)
+    loss.backward()
+    got = {name: p.grad.clone() for name, p in drafter.named_parameters()}
+    drafter.zero_grad()
+    hidden = drafter(batch.block_ids, batch.anchors, features, batch.seq_lens)
+    logits = drafter.logits(hidden[:, :, 1:]).float()  # [B, A, S - 1, V]
+    valid = batch.labels != IGNORE
+    weights = position_weights(4, 4.0) * valid
+    ce = logits.logsumexp(-1) - logits.gather(-1, batch.labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    expected = (ce * weights).sum() / weights.sum()
+    expected.backward()
+    correct = (logits.argmax(-1) == batch.labels) & valid
+    assert valid.any() and not valid.all()  # blocks past a sequence's end have no labels
+    torch.testing.assert_close(loss, expected.detach())
+    torch.testing.assert_close(accuracy, correct.sum((0, 1)).float() / valid.sum((0, 1)).clamp(min=1))
+    for name, p in drafter.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_heldout_split_is_fixed_and_disjoint():
     from vllm_ddtree.drafter import data
 

@@ -23,3 +23,16 @@ def test_gpu_kernel_tests_pass_in_triton_interpreter():
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert " passed" in run.stdout and " failed" not in run.stdout, run.stdout[-2000:]
+
+
+def test_training_loss_kernel_passes_in_triton_interpreter():
+    """tests/gpu/test_cross_entropy_kernel.py (the drafter training loss's row kernel) in the interpreter."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/gpu/test_cross_entropy_kernel.py", "-q", "-p", "no:cacheprovider"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert " passed" in run.stdout and " failed" not in run.stdout, run.stdout[-2000:]
+

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from vllm_ddtree.drafter.features import FeatureStore, TargetOutputs, store_budget, target_features, target_outputs
+from vllm_ddtree.drafter.lm_head_loss import lm_head_cross_entropy
 from vllm_ddtree.drafter.model import DFlashDrafter, DrafterConfig
 from vllm_ddtree.drafter.self_prompts import written_prompts
 from vllm_ddtree.drafter.simulate import simulate_acceptance
@@ -518,20 +519,26 @@ def block_loss(drafter: DFlashDrafter, batch: Batch, features: torch.Tensor, gam
                teacher: TargetOutputs | None = None, soft_weight: float = 0.0):
     """Weighted cross-entropy at offsets 1..S-1 against the labels, mixed with one against the teacher's top-k
     (``teacher``: the target's outputs for the batch's padded sequences) at weight ``soft_weight``; returns
-    (loss, top-1 accuracy per offset [S - 1])."""
+    (loss, top-1 accuracy per offset [S - 1]). Hard labels alone go through `lm_head_cross_entropy` (no float32
+    [B, A, S - 1, V] logits); the soft labels need the logits themselves."""
     device = features.device
     hidden = drafter(batch.block_ids.to(device), batch.anchors.to(device), features, batch.seq_lens.to(device))
-    logits = drafter.logits(hidden[:, :, 1:]).float()  # [B, A, S - 1, V]
     labels = batch.labels.to(device)
     valid = labels != IGNORE
     weights = position_weights(drafter.config.block_size, gamma).to(device) * valid  # [B, A, S - 1]
+    if teacher is None or soft_weight == 0:  # hard labels: the fused LM head and cross-entropy
+        shares = weights / weights.sum().clamp(min=1e-6)
+        loss, correct = lm_head_cross_entropy(hidden[:, :, 1:].flatten(0, 2), drafter.lm_head_weight,
+                                              labels.flatten(), shares.flatten())  # fmt: skip
+        accuracy = correct.view(labels.shape).sum((0, 1)).float() / valid.sum((0, 1)).clamp(min=1)
+        return loss, accuracy
+    logits = drafter.logits(hidden[:, :, 1:]).float()  # [B, A, S - 1, V]
     log_z = logits.logsumexp(-1)  # [B, A, S - 1]
     ce = log_z - logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    if teacher is not None and soft_weight > 0:
-        ids, probs = teacher_at_labels(teacher, batch.anchors.to(device), drafter.config.block_size)  # [B, A, S-1, k]
-        q = probs / probs.sum(-1, keepdim=True).clamp(min=1e-9)
-        soft_ce = log_z - (q * logits.gather(-1, ids.long())).sum(-1)
-        ce = (1 - soft_weight) * ce + soft_weight * soft_ce
+    ids, probs = teacher_at_labels(teacher, batch.anchors.to(device), drafter.config.block_size)  # [B, A, S - 1, k]
+    q = probs / probs.sum(-1, keepdim=True).clamp(min=1e-9)
+    soft_ce = log_z - (q * logits.gather(-1, ids.long())).sum(-1)
+    ce = (1 - soft_weight) * ce + soft_weight * soft_ce
     loss = (ce * weights).sum() / weights.sum().clamp(min=1e-6)
     with torch.no_grad():
         correct = (logits.argmax(-1) == labels) & valid
