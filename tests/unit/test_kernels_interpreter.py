@@ -1,6 +1,7 @@
-"""The GPU kernel tests (tests/gpu/test_kernels.py: tree attention one-pass and split, KV compaction) on the CPU
-through Triton's interpreter, so CI checks the kernels' logic without a GPU. The switch (TRITON_INTERPRET=1) is
-read when a kernel is defined, hence the subprocess; the tests that need CUDA itself skip there."""
+"""The GPU kernel tests on the CPU through Triton's interpreter, so CI checks the kernels' logic without a GPU:
+tests/gpu/test_kernels.py (tree attention one-pass and split, KV compaction) and
+tests/gpu/test_cross_entropy_kernel.py (the drafter training loss's row kernel). The switch (TRITON_INTERPRET=1)
+is read when a kernel is defined, hence the subprocess; the tests that need CUDA itself skip there."""
 
 from __future__ import annotations
 
@@ -14,25 +15,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_gpu_kernel_tests_pass_in_triton_interpreter():
+@pytest.mark.parametrize("tests, timeout", [("tests/gpu/test_kernels.py", 900),
+                                            ("tests/gpu/test_cross_entropy_kernel.py", 600)])  # fmt: skip
+def test_gpu_kernel_tests_pass_in_triton_interpreter(tests, timeout):
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests/gpu/test_kernels.py", "-q", "-p", "no:cacheprovider"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )
+    run = subprocess.run([sys.executable, "-m", "pytest", tests, "-q", "-p", "no:cacheprovider"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert " passed" in run.stdout and " failed" not in run.stdout, run.stdout[-2000:]
-
-
-def test_training_loss_kernel_passes_in_triton_interpreter():
-    """tests/gpu/test_cross_entropy_kernel.py (the drafter training loss's row kernel) in the interpreter."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "tests/gpu/test_cross_entropy_kernel.py", "-q", "-p", "no:cacheprovider"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
-    assert " passed" in run.stdout and " failed" not in run.stdout, run.stdout[-2000:]
-
