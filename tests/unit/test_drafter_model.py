@@ -709,6 +709,40 @@ def test_a_store_build_that_would_end_past_its_deadline_stops(tmp_path, one_cpu_
     assert "feature store: skipped, the time limit (60 s) is past" in capsys.readouterr().out
 
 
+def test_the_store_paces_its_build_by_batch_cost_with_attention(tmp_path, one_cpu_thread, monkeypatch):
+    """The store's pace counts a batch as its padded tokens times (1 + T / attention_length): the length where a
+    token's attention FLOPs equal its weights' (SmolLM2-135M: ~3,100), computed from the model, and what the build
+    hands `_Pace` is that, batch by batch."""
+    from tests.tiny_models import make_tiny_target
+    from vllm_ddtree.drafter import features
+    from vllm_ddtree.drafter.features import FeatureStore, attention_length, batch_cost
+    from vllm_ddtree.drafter.train import load_target
+
+    model, _ = load_target(str(make_tiny_target(tmp_path / "target", num_layers=3)), torch.device("cpu"), "float32")
+    config = model.config
+    per_layer = sum(p.numel() for p in model.get_decoder().layers[0].parameters())
+    norm = model.get_decoder().norm.weight.numel()
+    assert attention_length(model) == pytest.approx(2 * (3 * per_layer + norm) / (4 * config.hidden_size * 3))
+    assert batch_cost(4, 100, 50.0) == 4 * 100 * 3
+    recorded = []
+
+    class RecordingPace(features._Pace):
+        def __init__(self, total):
+            super().__init__(total)
+            recorded.append(total)
+
+        def step(self, units):
+            recorded.append(units)
+            super().step(units)
+
+    monkeypatch.setattr(features, "_Pace", RecordingPace)
+    sequences = [[5] * 40, [6] * 7, [7] * 12, [8] * 3]
+    FeatureStore.build(model, sequences, [0, 2], pad_id=0, tokens_per_batch=40)  # batches: [40], [12, 7, 3]
+    length = attention_length(model)
+    assert recorded == pytest.approx([batch_cost(1, 40, length) + batch_cost(3, 12, length),
+                                      batch_cost(1, 40, length), batch_cost(3, 12, length)])  # fmt: skip
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the pinned-memory copy to a GPU needs CUDA (run on the device)"))])
 def test_a_store_split_between_device_and_host_gathers_what_the_whole_store_does(tmp_path, one_cpu_thread, device):

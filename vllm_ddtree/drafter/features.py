@@ -64,8 +64,23 @@ def target_features(model, input_ids: torch.Tensor, seq_lens: torch.Tensor, laye
     return target_outputs(model, input_ids, seq_lens, layer_ids).features
 
 
-PROJECT_AFTER = 0.05  # FeatureStore.build projects its end once this share of the padded tokens is done (the first
+PROJECT_AFTER = 0.05  # FeatureStore.build projects its end once this share of its work is done (the first
 # batches include the kernels' warm-up)
+
+
+def attention_length(model) -> float:
+    """The sequence length T at which a token's attention FLOPs in the target (~4 T hidden per layer: scores and
+    values over T keys) equal its weights' (2 per parameter outside the embedding and LM head): a batch padded to
+    T costs about (1 + T / this) per token. ~3,100 for SmolLM2-135M. The store builds longest first, so a pace in
+    plain tokens projected session 47's build at ~200 s where whole builds took 105-139 s (sessions 45-46)."""
+    config = getattr(model.config, "text_config", model.config)
+    weights = sum(p.numel() for name, p in model.named_parameters() if "embed" not in name and "lm_head" not in name)
+    return 2 * weights / (4 * config.hidden_size * config.num_hidden_layers)
+
+
+def batch_cost(num_sequences: int, padded_len: int, attention_len: float) -> float:
+    """A store batch's work in `_Pace` units: padded tokens weighted by their attention share (`attention_length`)."""
+    return num_sequences * padded_len * (1 + padded_len / attention_len)
 
 
 class FeatureStore:
@@ -95,8 +110,8 @@ class FeatureStore:
               ) -> FeatureStore | None:  # fmt: skip
         """Run the target over ``sequences`` (longest first, ``tokens_per_batch`` padded tokens per forward).
         Sequences keep their rows on the device in index order while they fit ``device_bytes`` (None: all).
-        ``deadline`` (a `time.monotonic()` value): once it has passed, or the pace so far (`_Pace`, in padded
-        tokens) says the build would end past it, the build stops and returns None."""
+        ``deadline`` (a `time.monotonic()` value): once it has passed, or the pace so far (`_Pace`, in
+        `batch_cost` units) says the build would end past it, the build stops and returns None."""
         from tqdm.auto import tqdm
 
         device = next(model.parameters()).device
@@ -110,7 +125,8 @@ class FeatureStore:
                 batch = []
             batch.append(i)
         batches += [batch] if batch else []
-        pace = _Pace(sum(len(sequences[b[0]]) * len(b) for b in batches))  # in padded tokens
+        attention_len = attention_length(model)
+        pace = _Pace(sum(batch_cost(len(b), len(sequences[b[0]]), attention_len) for b in batches))
         for batch in tqdm(batches, desc="target features", unit="batch", mininterval=10):
             T = len(sequences[batch[0]])
             end = pace.projected_end()
@@ -141,7 +157,7 @@ class FeatureStore:
                 for field, value in zip(_fields(store), _fields(outputs)):
                     if field is not None:
                         field[index.to(field.device)] = value[keep.to(device)].to(field.device)
-            pace.step(T * len(batch))
+            pace.step(batch_cost(len(batch), T, attention_len))
         if not on_host.any():
             host_rows = None
         return cls(rows, host_rows, starts, lengths, on_host)
