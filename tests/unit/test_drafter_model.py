@@ -303,14 +303,14 @@ def test_training_end_to_end_with_several_sampled_answers_per_prompt(tmp_path, o
               prompt_ids=prompts)
 
 
-def test_vllm_generator_greedy_first_answers_are_the_greedy_ones(tmp_path, one_cpu_thread):
+def test_vllm_generator_greedy_first_answers_are_the_greedy_ones(tmp_path, one_cpu_thread, capsys):
     """The vLLM answer generator (token ids in and out, EOS from the target's generation config, chunk by chunk):
     with greedy_first, answer 0 of each prompt equals transformers' greedy answer (an independent oracle, cut after
-    EOS the same way) and answer 1 is sampled. Two engines in processes of their own give the same answers."""
+    EOS the same way) and answer 1 is sampled. Two engines in processes of their own give the same answers, and
+    keep them over two calls (as a run's prompts and then its answers): each engine is built once."""
     from tests.tiny_models import make_tiny_target
-    from vllm_ddtree.drafter.train import (
-        TrainConfig, _special_ids, answer_temperature, generate_responses, generate_responses_vllm, load_target,
-    )
+    from vllm_ddtree.drafter.generate import VllmGenerator, generate_responses, generate_responses_vllm
+    from vllm_ddtree.drafter.train import TrainConfig, _special_ids, answer_temperature, load_target
 
     target = make_tiny_target(tmp_path / "target")
     prompts = [[5 + i, 40 + i, 90 + i] for i in range(3)]
@@ -328,12 +328,19 @@ def test_vllm_generator_greedy_first_answers_are_the_greedy_ones(tmp_path, one_c
     assert answers[0::2] == greedy
     assert answers[1::2] != greedy
 
-    # Two engines side by side, each in its own process: chunks of ceil(6 / 2), the second answered by the second
-    # engine, come back in order with the same answers (answer i is sampled with seed + i whichever engine answers).
-    chunks = list(generate_responses_vllm(str(target), [p for p in prompts for _ in range(2)], 24, temperatures,
-                                          seed=0, eos_ids=eos_ids, chunk_size=4, engines=2))
-    assert [len(chunk) for chunk in chunks] == [3, 3]
-    assert [answer for chunk in chunks for answer in chunk] == answers
+    # Two engines side by side, each in its own process, over two calls: chunks of ceil(n / 2) come back in order
+    # with the same answers (answer i is sampled with seed + i whichever engine answers it).
+    doubled = [p for p in prompts for _ in range(2)]
+    capsys.readouterr()
+    with VllmGenerator(str(target), 40, eos_ids, engines=2) as generator:
+        first = list(generator.answer(doubled[:4], 24, temperatures[:4], seed=0, chunk_size=4))
+        crew = generator.crew
+        second = list(generator.answer(doubled[4:], 24, temperatures[4:], seed=4, chunk_size=4))
+        assert generator.crew is crew and len(crew.members) == 2  # the second call started no process
+    assert generator.crew is None and not any(process.is_alive() for process, _ in crew.members)
+    assert [len(chunk) for chunk in first + second] == [2, 2, 1, 1]
+    assert [answer for chunk in first + second for answer in chunk] == answers
+    assert 1 <= capsys.readouterr().out.count("ready (process") <= 2  # each engine built at most once
 
 
 def test_resumed_training_keeps_the_heldout_curve(tmp_path, one_cpu_thread, capsys):
@@ -779,7 +786,8 @@ def test_the_teacher_of_each_label_is_the_targets_prediction_before_it(tmp_path,
     greedily (transformers, the same float32 model), the teacher's first token is the label at every offset."""
     from tests.tiny_models import make_tiny_target
     from vllm_ddtree.drafter.features import target_outputs
-    from vllm_ddtree.drafter.train import generate_responses, load_target, teacher_at_labels
+    from vllm_ddtree.drafter.generate import generate_responses
+    from vllm_ddtree.drafter.train import load_target, teacher_at_labels
 
     model, _ = load_target(str(make_tiny_target(tmp_path / "target")), torch.device("cpu"), "float32")
     prompts = [[5, 40, 90], [6, 41, 91, 17]]
@@ -953,9 +961,9 @@ def test_a_time_limit_past_before_training_skips_the_feature_store(tmp_path, one
 def test_vllm_generator_engine_that_fails_to_start_raises_its_error(tmp_path):
     """A generator engine in a process of its own that cannot start (here: no model at the path) sends its error
     back: the parent raises it, naming the engine, instead of waiting for answers that never come."""
-    from vllm_ddtree.drafter.train import generate_responses_vllm
+    from vllm_ddtree.drafter.generate import generate_responses_vllm
 
     missing = tmp_path / "no-model"
-    with pytest.raises(RuntimeError, match=r"generator engine 1 failed:(.|\n)*no-model"):
+    with pytest.raises(RuntimeError, match=r"generator engine [12] failed:(.|\n)*no-model"):
         list(generate_responses_vllm(str(missing), [[5, 6, 7], [8, 9, 10]], 4, [0.0, 0.0], seed=0, eos_ids={2},
                                      engines=2))

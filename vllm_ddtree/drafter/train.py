@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from vllm_ddtree.drafter.features import FeatureStore, TargetOutputs, store_budget, target_features, target_outputs
+from vllm_ddtree.drafter.generate import VllmGenerator, generate_responses, past
 from vllm_ddtree.drafter.lm_head_loss import lm_head_cross_entropy
 from vllm_ddtree.drafter.model import DFlashDrafter, DrafterConfig
 from vllm_ddtree.drafter.self_prompts import written_prompts
@@ -65,7 +66,7 @@ class TrainConfig:
     gen_batch_size: int = 64
     generator: str = "hf"  # "hf" (transformers) or "vllm"
     # vllm generator on CUDA: decode steps replay FULL CUDA graphs (no torch.compile), prompts in waves of
-    # GRAPH_WAVE (`generate_responses_vllm`); off (the default, every run so far): eager
+    # GRAPH_WAVE (`generate.VllmGenerator`); off (the default, every run so far): eager
     gen_cuda_graphs: bool = False
     # vllm generator: engines answering side by side, each in its own process with an equal share of the GPU
     # memory; chunks go to whichever engine is free. One engine is bound by the host's work per request
@@ -245,240 +246,6 @@ def check_prompt_ids(tokenizer, per_source: dict[str, int], max_prompt_len: int,
 
 
 @torch.no_grad()
-def generate_responses(
-    model, prompts: list[list[int]], max_new_tokens: int, temperature: float, batch_size: int, eos_ids, pad_id: int
-) -> list[list[int]]:
-    """The target's responses to token-id prompts with transformers (left-padded batches); cut after EOS."""
-    from tqdm.auto import tqdm
-
-    device = next(model.parameters()).device
-    eos_ids = set(eos_ids)
-    responses: list[list[int]] = []
-    for start in tqdm(range(0, len(prompts), batch_size), desc="generating", unit="batch"):
-        chunk = prompts[start : start + batch_size]
-        width = max(len(p) for p in chunk)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=max_new_tokens,
-            do_sample=temperature > 0,
-            temperature=temperature if temperature > 0 else None,
-            top_p=None,
-            top_k=0 if temperature > 0 else None,  # 0: no top-k cut (transformers' default is 50), the whole distribution
-            pad_token_id=pad_id,
-            eos_token_id=sorted(eos_ids) or None,
-        )
-        for row in out[:, width:].tolist():
-            responses.append(_cut_after_eos(row, eos_ids))
-    return responses
-
-
-# Prompts per wave with `cuda_graphs`: vLLM's max_num_seqs on the H200, so a wave's prefills come first and its
-# decode steps are pure decode batches, which FULL_DECODE_ONLY graphs replay (mixed batches run eagerly).
-GRAPH_WAVE = 1024
-
-
-def generate_responses_vllm(
-    target: str, prompts: list[list[int]], max_new_tokens: int, temperatures: list[float], seed: int,
-    eos_ids, chunk_size: int = 4096, deadline: float | None = None, cuda_graphs: bool = False, engines: int = 1,
-):
-    """Same as ``generate_responses`` with vLLM (much faster on a GPU), one temperature per prompt; yields the
-    responses chunk by chunk, in order (so a run cut short keeps the chunks already written), and frees the
-    engines at the end. Past ``deadline`` (a `time.monotonic()` value) no further chunk is started.
-    `cuda_graphs` (CUDA only): decode steps from FULL CUDA graphs captured without torch.compile, in chunks of
-    GRAPH_WAVE prompts. `engines` > 1: that many engines, each in its own process, answer chunks side by side
-    (`_EngineCrew`). Answer i is sampled with seed ``seed + i`` whichever engine answers it."""
-    if deadline is not None and time.monotonic() > deadline:  # not even the engine start fits
-        print(f"time limit: no answer generated of {len(prompts)}", flush=True)
-        return
-    began = time.monotonic()
-    max_model_len = max(len(p) for p in prompts) + max_new_tokens
-    engine_args = _generator_engine_args(max_model_len, seed, cuda_graphs, memory_share=0.4 / engines)
-    if cuda_graphs and torch.cuda.is_available():
-        chunk_size = min(chunk_size, GRAPH_WAVE)
-    if engines > 1:  # chunks small enough that every engine gets work
-        chunk_size = max(1, min(chunk_size, -(-len(prompts) // engines)))
-    # One seed per answer (seed, seed + 1, ...): repeated prompts get different samples, reruns the same ones.
-    requests = [(p, t, seed + i if t > 0 else None) for i, (p, t) in enumerate(zip(prompts, temperatures))]
-    chunks = [requests[start : start + chunk_size] for start in range(0, len(requests), chunk_size)]
-    answered, generated, eos = 0, 0, sorted(eos_ids)
-    crew = _EngineCrew(target, engine_args, max_new_tokens, eos) if engines > 1 else None
-    llm = None if crew else _start_generator(target, engine_args)
-    try:
-        results = crew.answer(chunks, engines, deadline) if crew else _answer_in_turn(llm, chunks, max_new_tokens,
-                                                                                      eos, deadline)
-        for responses, tokens, seconds in results:
-            answered, generated, elapsed = answered + len(responses), generated + tokens, time.monotonic() - began
-            print(f"generated {answered}/{len(prompts)} answers, {tokens / seconds:.0f} tok/s (this chunk's engine), "
-                  f"{generated / elapsed:.0f} tok/s in the {elapsed:.0f} s since the generator started", flush=True)
-            yield responses
-        if answered < len(prompts):
-            print(f"time limit: generation stopped at {answered}/{len(prompts)} answers", flush=True)
-    finally:
-        if crew:
-            crew.close()
-        if llm is not None:
-            _stop_generator(llm)
-
-
-def _generator_engine_args(max_model_len: int, seed: int, cuda_graphs: bool, memory_share: float) -> dict:
-    # Eager by default: on CPU compiled mode produced wrong SmolLM2 chat output (docs/drafter.md); on the H200 the
-    # one-off torch.compile + CUDA-graph capture (~2 min at engine start) cost more than it saved for one pass.
-    # `cuda_graphs` captures FULL decode graphs without torch.compile instead (CUDA only).
-    on_cpu = not torch.cuda.is_available()
-    if cuda_graphs and not on_cpu:
-        engine = {"max_num_seqs": GRAPH_WAVE, "compilation_config": {
-            "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": GRAPH_WAVE}}
-    else:
-        engine = {"enforce_eager": True}
-    return dict(gpu_memory_utilization=memory_share, seed=seed, max_model_len=max_model_len, **engine,
-                dtype="float32" if on_cpu else "auto", skip_tokenizer_init=True)  # token ids in and out
-
-
-def _start_generator(target: str, engine_args: dict):
-    from vllm import LLM
-
-    return LLM(target, **engine_args)
-
-
-def _stop_generator(llm) -> None:
-    import gc
-
-    from vllm_ddtree.compat import shutdown_llm
-
-    shutdown_llm(llm)
-    del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _answer_chunk(llm, chunk: list[tuple], max_new_tokens: int, eos_ids: list[int]) -> tuple[list, int, float]:
-    """One chunk of (prompt ids, temperature, seed) requests: (answers, tokens generated, seconds)."""
-    from vllm import SamplingParams
-
-    began = time.perf_counter()
-    params = [SamplingParams(temperature=t, max_tokens=max_new_tokens, seed=s, stop_token_ids=eos_ids,
-                             detokenize=False) for _, t, s in chunk]
-    outs = llm.generate([{"prompt_token_ids": p} for p, _, _ in chunk], params, use_tqdm=False)
-    responses = [list(o.outputs[0].token_ids) for o in outs]
-    return responses, sum(len(r) for r in responses), time.perf_counter() - began
-
-
-def _answer_in_turn(llm, chunks: list[list[tuple]], max_new_tokens: int, eos_ids: list[int], deadline):
-    for chunk in chunks:
-        if deadline is not None and time.monotonic() > deadline:
-            return
-        yield _answer_chunk(llm, chunk, max_new_tokens, eos_ids)
-
-
-def _crew_member(target: str, engine_args: dict, max_new_tokens: int, eos_ids: list[int], member: int,
-                 tasks, results) -> None:
-    """A generator engine in its own process: says when it is ready, then answers (chunk index, chunk) tasks
-    until it gets None. An error goes back as text, so the parent raises instead of waiting forever."""
-    import traceback
-
-    try:
-        llm = _start_generator(target, engine_args)
-        results.put(("ready", member, None))
-        while (task := tasks.get()) is not None:
-            index, chunk = task
-            results.put(("answered", member, (index, _answer_chunk(llm, chunk, max_new_tokens, eos_ids))))
-        _stop_generator(llm)
-    except BaseException:  # noqa: BLE001 - everything goes back to the parent
-        results.put(("failed", member, traceback.format_exc()))
-
-
-class _EngineCrew:
-    """Generator engines in processes of their own, started one after the other: vLLM sizes its KV cache from the
-    free GPU memory it measures at start, which another engine starting beside it would disturb. Chunks are handed
-    to whichever engine is free and come back in order."""
-
-    def __init__(self, target: str, engine_args: dict, max_new_tokens: int, eos_ids: list[int]):
-        import multiprocessing
-
-        self.context = multiprocessing.get_context("spawn")  # a CUDA parent cannot fork
-        self.member_args = (target, engine_args, max_new_tokens, eos_ids)
-        self.results = self.context.Queue()
-        self.members: list[tuple] = []  # (process, task queue)
-
-    def _start(self) -> None:
-        tasks = self.context.Queue()
-        process = self.context.Process(target=_crew_member, args=(*self.member_args, len(self.members), tasks,
-                                                                  self.results))  # fmt: skip
-        process.start()  # not a daemon: its vLLM engine starts a process of its own
-        self.members.append((process, tasks))
-
-    def _next_message(self) -> tuple:
-        import queue
-
-        while True:
-            try:
-                return self.results.get(timeout=10)
-            except queue.Empty:
-                dead = [i for i, (process, _) in enumerate(self.members) if process.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"generator engine {dead[0] + 1} exited with code "
-                                       f"{self.members[dead[0]][0].exitcode} before answering")
-
-    def answer(self, chunks: list[list[tuple]], engines: int, deadline):
-        """Yields (answers, tokens, seconds) chunk by chunk, in order. Chunk m < engines is engine m's first; the
-        others go to whichever engine is free. Past `deadline` no chunk is handed out and no engine started; the
-        chunks already handed out are waited for, and those after a chunk never handed out are dropped."""
-        engines = min(engines, len(chunks))
-        firsts = set(range(engines))  # first chunks not yet handed out
-        shared = engines  # the next chunk for whichever engine is free
-        pending, done, next_out = set(), {}, 0  # handed out, not answered; answered, by index; the next to yield
-        self._start()
-        while pending or ((firsts or shared < len(chunks)) and not _past(deadline)):
-            kind, member, payload = self._next_message()
-            if kind == "failed":
-                raise RuntimeError(f"generator engine {member + 1} failed:\n{payload}")
-            index = None  # the chunk this engine gets next
-            if kind == "ready":
-                print(f"generator engine {member + 1} of {engines} ready", flush=True)
-                if len(self.members) < engines and not _past(deadline):
-                    self._start()
-                index = member if member in firsts else None
-            else:
-                answered, result = payload
-                pending.discard(answered)
-                done[answered] = result
-            if not _past(deadline):
-                if index is None and shared < len(chunks):
-                    index, shared = shared, shared + 1
-                if index is not None:
-                    firsts.discard(index)
-                    pending.add(index)
-                    self.members[member][1].put((index, chunks[index]))
-            while next_out in done:
-                yield done.pop(next_out)
-                next_out += 1
-
-    def close(self) -> None:
-        for process, tasks in self.members:
-            if process.is_alive():
-                tasks.put(None)
-        for process, _ in self.members:
-            process.join(timeout=60)
-            if process.is_alive():
-                process.terminate()
-                process.join(timeout=10)
-
-
-def _past(deadline: float | None) -> bool:
-    return deadline is not None and time.monotonic() > deadline
-
-
-def _cut_after_eos(row: list[int], eos_ids: set[int]) -> list[int]:
-    for i, token in enumerate(row):
-        if token in eos_ids:
-            return row[: i + 1]
-    return row
-
-
 def sample_blocks(
     seqs: list[Sequence], block_size: int, anchors_per_seq: int, mask_token_id: int, pad_id: int, rng: random.Random
 ) -> Batch:
@@ -668,9 +435,10 @@ def answer_plan(cfg: TrainConfig, prompt_ids: list[list[int]], later_prompt_ids:
 
 
 def _load_or_generate(cfg: TrainConfig, target, tokenizer, prompts, prompt_ids, later_prompt_ids, pad_id, eos_ids,
-                      deadline: float | None = None) -> list[Sequence]:  # fmt: skip
+                      deadline: float | None = None, generator: VllmGenerator | None = None) -> list[Sequence]:  # fmt: skip
     """OUT/responses.jsonl caches the target's responses; generation resumes where the file stops. With the vLLM
-    generator, a `deadline` (time.monotonic()) reached before every answer is there raises `AnswersIncomplete`."""
+    generator (`generator`: engines already up; None: started here for these answers), a `deadline`
+    (time.monotonic()) reached before every answer is there raises `AnswersIncomplete`."""
     path = Path(cfg.out) / "responses.jsonl"
     seqs = []
     if path.exists():
@@ -688,20 +456,16 @@ def _load_or_generate(cfg: TrainConfig, target, tokenizer, prompts, prompt_ids, 
     todo, done = prompt_ids[len(seqs) :], len(seqs)
     if todo:
         if cfg.generator == "vllm":
-            chunks = generate_responses_vllm(cfg.target, todo, cfg.max_new_tokens, temperatures[done:], cfg.seed + done,
-                                             eos_ids, deadline=deadline, cuda_graphs=cfg.gen_cuda_graphs,
-                                             engines=cfg.gen_engines)
+            with contextlib.ExitStack() as own:
+                if generator is None:
+                    generator = own.enter_context(vllm_generator(cfg, eos_ids))
+                _write_answers(path, seqs, todo, generator.answer(todo, cfg.max_new_tokens, temperatures[done:],
+                                                                  cfg.seed + done, deadline=deadline))  # fmt: skip
         else:
             if len(set(temperatures[done:])) > 1:
                 raise ValueError("greedy_first with the 'hf' generator is not supported; use generator='vllm'")
-            chunks = [generate_responses(target, todo, cfg.max_new_tokens, temperatures[-1], cfg.gen_batch_size,
-                                         sorted(eos_ids), pad_id)]
-        for responses in chunks:
-            with path.open("a") as f:
-                for prompt, response in zip(todo[len(seqs) - done :], responses):
-                    seq = Sequence(prompt, response)
-                    seqs.append(seq)
-                    f.write(json.dumps(asdict(seq)) + "\n")
+            _write_answers(path, seqs, todo, [generate_responses(target, todo, cfg.max_new_tokens, temperatures[-1],
+                                                                  cfg.gen_batch_size, sorted(eos_ids), pad_id)])
     if len(seqs) < len(prompt_ids):
         raise AnswersIncomplete(
             f"time limit ({cfg.time_limit_s or 0:.0f} s) reached while the target answered the training prompts: "
@@ -709,6 +473,24 @@ def _load_or_generate(cfg: TrainConfig, target, tokenizer, prompts, prompt_ids, 
             "to generate the rest and train, or lower --time-limit-s's share of generation with fewer prompts"
         )
     return [s for s in seqs if len(s.response) >= 2]
+
+
+def _write_answers(path: Path, seqs: list[Sequence], todo: list[list[int]], chunks) -> None:
+    """Append each chunk of answers to `todo`'s prompts (after the `seqs` already there) to `seqs` and to `path`."""
+    done = len(seqs)
+    for responses in chunks:
+        with path.open("a") as f:
+            for prompt, response in zip(todo[len(seqs) - done :], responses):
+                seq = Sequence(prompt, response)
+                seqs.append(seq)
+                f.write(json.dumps(asdict(seq)) + "\n")
+
+
+def vllm_generator(cfg: TrainConfig, eos_ids) -> VllmGenerator:
+    """The run's vLLM engines (started at their first answer), sized for both the prompts the target writes
+    (`max_prompt_len` new tokens) and its answers to prompts of up to `max_prompt_len` tokens."""
+    return VllmGenerator(cfg.target, cfg.max_prompt_len + max(cfg.max_new_tokens, cfg.max_prompt_len), eos_ids,
+                         seed=cfg.seed, cuda_graphs=cfg.gen_cuda_graphs, engines=cfg.gen_engines)  # fmt: skip
 
 
 class AnswersIncomplete(RuntimeError):
@@ -806,11 +588,14 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
         later = later_prompt_ids if later_prompt_ids is not None else encode_prompts(
             tokenizer, data.later_turn_prompts(cfg.sources, seed=cfg.seed), cfg.chat_template, cfg.max_prompt_len)
     deadline = None if cfg.time_limit_s is None else began + cfg.time_limit_s
-    if cfg.self_prompts:
-        written = written_prompts(cfg, tokenizer, eos_ids, deadline)
-        later = later + encode_prompts(tokenizer, written, cfg.chat_template, cfg.max_prompt_len)
-        print(f"self_prompts: {len(written)} usable of {cfg.self_prompts} written by the target", flush=True)
-    seqs = _load_or_generate(cfg, target, tokenizer, prompts, prompt_ids, later, pad_id, eos_ids, deadline)
+    # One set of vLLM engines (started at the first answer, if any) writes the prompts and then the answers.
+    with vllm_generator(cfg, eos_ids) if cfg.generator == "vllm" else contextlib.nullcontext() as generator:
+        if cfg.self_prompts:
+            written = written_prompts(cfg, tokenizer, eos_ids, deadline, generator)
+            later = later + encode_prompts(tokenizer, written, cfg.chat_template, cfg.max_prompt_len)
+            print(f"self_prompts: {len(written)} usable of {cfg.self_prompts} written by the target", flush=True)
+        seqs = _load_or_generate(cfg, target, tokenizer, prompts, prompt_ids, later, pad_id, eos_ids, deadline,
+                                 generator)  # fmt: skip
     if not seqs:
         raise ValueError("the target produced no response of 2 or more tokens; check the prompts and EOS ids")
     eval_seqs = _eval_sequences(cfg, target, tokenizer, eval_prompt_ids, pad_id, eos_ids)
@@ -936,7 +721,7 @@ def _feature_store(cfg: TrainConfig, target, seqs: list[Sequence], layer_ids: li
     away (the one step still run then needs none)."""
     if not cfg.feature_store:
         return None
-    if _past(deadline):
+    if past(deadline):
         print(f"feature store: skipped, the time limit ({cfg.time_limit_s:.0f} s) is past; the same command again "
               "resumes from the answers and builds it", flush=True)
         return None
