@@ -343,6 +343,23 @@ def test_vllm_generator_greedy_first_answers_are_the_greedy_ones(tmp_path, one_c
     assert 1 <= capsys.readouterr().out.count("ready (process") <= 2  # each engine built at most once
 
 
+def test_a_run_with_two_generator_engines_writes_the_answers_one_engine_writes(tmp_path, one_cpu_thread):
+    """train() with the vLLM generator: two engines (started before the prompts are encoded, in processes of their
+    own) write the same OUT/responses.jsonl as one engine in this process, greedy and sampled answers alike."""
+    from tests.tiny_models import make_tiny_target
+    from vllm_ddtree.drafter.train import TrainConfig, train
+
+    target = make_tiny_target(tmp_path / "target")
+    prompts = [[5 + i, 40 + i, 90 + i] for i in range(3)]
+    cfg = dict(target=str(target), block_size=4, num_layers=1, max_new_tokens=12, generator="vllm", temperature=1.0,
+               responses_per_prompt=2, greedy_first=True, steps=0, eval_prompts=0, device="cpu")
+    files = []
+    for engines in (1, 2):
+        train(TrainConfig(**cfg, out=str(tmp_path / f"engines-{engines}"), gen_engines=engines), prompt_ids=prompts)
+        files.append((tmp_path / f"engines-{engines}" / "responses.jsonl").read_text())
+    assert files[0] == files[1] and len(files[0].splitlines()) == 6
+
+
 def test_resumed_training_keeps_the_heldout_curve(tmp_path, one_cpu_thread, capsys):
     """A run resumed from a checkpoint reports the held-out points measured before the checkpoint too, logs the
     checkpoint's point measured again (not added to the curve), and ends with the uninterrupted run's weights."""

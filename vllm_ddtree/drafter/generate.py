@@ -94,6 +94,10 @@ class VllmGenerator:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def start(self) -> None:
+        """Start the engines now (with `engines` > 1 they build in their own processes while this one goes on)."""
+        self._start(self.max_model_len)
+
     def _start(self, max_model_len: int) -> None:
         if self.llm is not None or self.crew is not None:
             if max_model_len > self.max_model_len:
