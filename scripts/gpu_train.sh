@@ -61,9 +61,12 @@ if [ ! -f /tmp/smollm2-dflash/responses.jsonl ]; then
   fi
 fi
 # The loss's row kernel (vllm_ddtree/drafter/triton_cross_entropy.py, new in session 48) against its torch reference
-# on this GPU first: a wrong kernel would train a wrong drafter, so the script stops here (a few seconds).
-timeout 120 python -m pytest tests/gpu/test_cross_entropy_kernel.py -q -p no:cacheprovider > /tmp/loss_kernel.log 2>&1 \
-  || { echo "the training loss kernel failed its test:"; tail -30 /tmp/loss_kernel.log; exit 1; }
+# on this GPU first (a few seconds): a wrong kernel would train a wrong drafter, so on a failure the run uses the
+# torch reference instead (VLLM_DDTREE_LOSS_KERNEL=torch: the same arithmetic, more memory traffic).
+if ! timeout 120 python -m pytest tests/gpu/test_cross_entropy_kernel.py -q -p no:cacheprovider > /tmp/loss_kernel.log 2>&1; then
+  echo "the training loss kernel failed its test; training with the torch reference:"; tail -30 /tmp/loss_kernel.log
+  export VLLM_DDTREE_LOSS_KERNEL=torch
+fi
 resume=""; [ -d /tmp/smollm2-dflash/checkpoints ] && resume="--resume"
 # ANNEAL=1 (default): the learning rate reaches its floor at the time limit (every device run so far stopped at
 # 39-63% of its STEPS, at 34-70% of the peak rate). ANNEAL=0 for a call that a resuming call (same machine) follows.

@@ -44,3 +44,20 @@ def test_row_kernel_matches_the_reference(rows, vocab, dtype):
     clear = top2[:, 0] > top2[:, 1]  # rows whose argmax is not a tie
     assert torch.equal(correct.cpu()[clear], expected_correct[clear])
     assert bool(correct[0]) and not correct.cpu()[labels < 0].any()
+
+
+def test_the_torch_switch_runs_the_reference_where_the_kernel_would(monkeypatch):
+    """VLLM_DDTREE_LOSS_KERNEL=torch (gpu_train.sh's fallback when this file fails on the device): the reference."""
+    from vllm_ddtree.drafter.lm_head_loss import KERNEL_ENV, row_cross_entropy_, row_cross_entropy_reference_
+
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(6, 700, generator=g)
+    labels, weights = torch.tensor([1, 2, -100, 4, 699, 0]), torch.rand(6, generator=g)
+    labels, weights = labels.to(DEVICE), weights.to(DEVICE)
+    expected = logits.to(DEVICE)
+    expected_ce, _ = row_cross_entropy_reference_(expected, labels, weights)  # on the same device: bitwise
+    monkeypatch.setenv(KERNEL_ENV, "torch")
+    got = logits.to(DEVICE)
+    ce, _ = row_cross_entropy_(got, labels, weights)
+    assert torch.equal(got, expected) and torch.equal(ce, expected_ce)
+

@@ -81,3 +81,12 @@ def test_the_row_pass_overwrites_logits_with_the_weighted_softmax_minus_one_hot(
     torch.testing.assert_close(logits, expected)
     torch.testing.assert_close(ce, expected_ce)
     assert correct.dtype == torch.bool and not correct[3]
+
+
+def test_an_unknown_loss_kernel_is_refused_by_name(monkeypatch):
+    from vllm_ddtree.drafter.lm_head_loss import KERNEL_ENV, row_cross_entropy_
+
+    monkeypatch.setenv(KERNEL_ENV, "cuda")
+    with pytest.raises(ValueError, match="VLLM_DDTREE_LOSS_KERNEL='cuda' is not a loss kernel; use triton"):
+        row_cross_entropy_(torch.zeros(2, 5), torch.tensor([0, 1]), torch.ones(2))
+

@@ -41,18 +41,22 @@ def row_cross_entropy_reference_(logits: torch.Tensor, labels: torch.Tensor, wei
     return ce, correct
 
 
+KERNEL_ENV = "VLLM_DDTREE_LOSS_KERNEL"  # "triton" (default): the kernel on CUDA; "torch": the reference everywhere
+
+
 def row_cross_entropy_(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`row_cross_entropy_reference_`'s contract, by the Triton kernel on CUDA (or in Triton's interpreter)."""
-    if logits.device.type != "cuda" and not _triton_interpreter():
-        return row_cross_entropy_reference_(logits, labels, weights)
-    return row_cross_entropy_triton_(logits, labels, weights)
-
-
-def _triton_interpreter() -> bool:
+    """`row_cross_entropy_reference_`'s contract, by the Triton kernel on CUDA (or in Triton's interpreter) unless
+    VLLM_DDTREE_LOSS_KERNEL=torch (what scripts/gpu_train.sh sets when the kernel fails its test on the device)."""
     import os
 
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    from vllm_ddtree.env import env_choice
+
+    kernel = env_choice(KERNEL_ENV, ("triton", "torch"), "is not a loss kernel; use triton (the default) or torch")
+    on_triton = logits.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if kernel == "torch" or not on_triton:
+        return row_cross_entropy_reference_(logits, labels, weights)
+    return row_cross_entropy_triton_(logits, labels, weights)
 
 
 def row_cross_entropy_triton_(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
