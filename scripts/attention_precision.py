@@ -148,7 +148,8 @@ def main() -> None:
         rows = [decode_agreement(c, w, qs, seed=i) for i, (c, w, qs) in enumerate(
             (c, w, qs) for c in args.contexts for w in args.widths for qs in (1.0, 4.0))]  # fmt: skip
         names = ("fa3_chain", "triton_one_pass", "split")
-        print("| context | nodes | q scale | " + " | ".join(f"{n}: equal elements / rows, mean diff" for n in names) + " |")
+        columns = " | ".join(f"{n}: equal elements / rows, mean diff" for n in names)
+        print(f"| context | nodes | q scale | {columns} |")
         print("| --- | --- | --- |" + " --- |" * len(names))
         for r in rows:
             print(f"| {r['context']} | {r['width']} | {r['q_scale']} | " + " | ".join(

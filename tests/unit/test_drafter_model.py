@@ -515,8 +515,8 @@ def test_a_run_its_time_limit_ends_is_annealed_with_anneal_at_time_limit(tmp_pat
 
 def test_the_learning_rate_follows_the_clock_to_its_floor_at_the_deadline():
     """LearningRate against its formula: warm-up by steps; by steps alone a run stopped at 40% of its cosine is at
-    about two thirds of the peak; with `anneal_by` the progress is the larger of the steps' and the clock's share, which runs
-    from the progress where this call began (a resumed call: its first step's) to 1 at the deadline."""
+    about two thirds of the peak; with `anneal_by` the progress is the larger of the steps' and the clock's share,
+    which runs from the progress where this call began (a resumed call: its first step's) to 1 at the deadline."""
     import math
 
     from vllm_ddtree.drafter.train import LR_FLOOR, LearningRate

@@ -24,6 +24,7 @@ def past(deadline: float | None) -> bool:
     return deadline is not None and time.monotonic() > deadline
 
 
+@torch.no_grad()
 def generate_responses(
     model, prompts: list[list[int]], max_new_tokens: int, temperature: float, batch_size: int, eos_ids, pad_id: int
 ) -> list[list[int]]:

@@ -245,7 +245,6 @@ def check_prompt_ids(tokenizer, per_source: dict[str, int], max_prompt_len: int,
     return ids
 
 
-@torch.no_grad()
 def sample_blocks(
     seqs: list[Sequence], block_size: int, anchors_per_seq: int, mask_token_id: int, pad_id: int, rng: random.Random
 ) -> Batch:
@@ -435,7 +434,8 @@ def answer_plan(cfg: TrainConfig, prompt_ids: list[list[int]], later_prompt_ids:
 
 
 def _load_or_generate(cfg: TrainConfig, target, tokenizer, prompts, prompt_ids, later_prompt_ids, pad_id, eos_ids,
-                      deadline: float | None = None, generator: VllmGenerator | None = None) -> list[Sequence]:  # fmt: skip
+                      deadline: float | None = None, generator: VllmGenerator | None = None
+                      ) -> list[Sequence]:  # fmt: skip
     """OUT/responses.jsonl caches the target's responses; generation resumes where the file stops. With the vLLM
     generator (`generator`: engines already up; None: started here for these answers), a `deadline`
     (time.monotonic()) reached before every answer is there raises `AnswersIncomplete`."""
