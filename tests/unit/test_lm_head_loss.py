@@ -6,18 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_ddtree.drafter.lm_head_loss import lm_head_cross_entropy, row_cross_entropy_reference_
+from vllm_ddtree.drafter.lm_head_loss import (
+    lm_head_cross_entropy,
+    lm_head_cross_entropy_reference,
+    row_cross_entropy_reference_,
+)
 
 
 def _oracle(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
-    """Autograd through float32 logits: (loss, d loss / d hidden, correct)."""
+    """Autograd through float32 logits (`lm_head_cross_entropy_reference`): (loss, d loss / d hidden, correct)."""
     hidden = hidden.detach().clone().requires_grad_()
-    logits = (hidden @ head.T).float()  # [N, V]
-    has_label = labels >= 0
-    ce = logits.logsumexp(-1) - logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    loss = (ce * weights * has_label).sum()
+    loss, correct = lm_head_cross_entropy_reference(hidden, head, labels, weights)
     loss.backward()
-    correct = (logits.argmax(-1) == labels) & has_label
     return loss.detach(), hidden.grad, correct
 
 

@@ -92,6 +92,18 @@ class _LmHeadCrossEntropy(torch.autograd.Function):
         return (grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None)
 
 
+def lm_head_cross_entropy_reference(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor,
+                                    weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`lm_head_cross_entropy`'s contract by autograd through float32 [N, V] logits, as `block_loss` computed it
+    before session 48: the oracle of its tests and the baseline of scripts/bench_training_loss.py."""
+    logits = torch.nn.functional.linear(hidden, head.detach()).float()  # [N, V]
+    has_label = labels >= 0
+    ce = logits.logsumexp(-1) - logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        correct = (logits.argmax(-1) == labels) & has_label
+    return (ce * weights * has_label).sum(), correct
+
+
 def lm_head_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """sum over rows of weights * cross-entropy(hidden @ head^T, labels), and whether each row's argmax is its label.
