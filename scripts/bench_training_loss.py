@@ -6,7 +6,7 @@ through float32 logits (`lm_head_cross_entropy_reference`, the loss before sessi
     python scripts/bench_training_loss.py --out /tmp/loss.json      # gpu_train.sh's step: 15,360 x 576 -> 49,152
 
 Under bf16 autocast as the training step runs it (hidden states float32, the frozen head bf16). Per method: the
-median of --iters timed forward + backward calls (CUDA events, after warm-up), the peak memory of one call above
+median of --iters timed forward + backward calls (bench_tree.median_ms: CUDA events, after warm-up), the peak memory of one call above
 what the inputs hold, and the loss and gradient's difference from the reference. Prints a markdown table and
 writes JSON. On a CPU it runs a small shape (a smoke test, not a timing).
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_tree import median_ms  # noqa: E402  (scripts/ is this script's folder)
 from vllm_ddtree.drafter.lm_head_loss import lm_head_cross_entropy, lm_head_cross_entropy_reference  # noqa: E402
 
 METHODS = {"reference (float32 logits)": lm_head_cross_entropy_reference, "fused": lm_head_cross_entropy}
@@ -48,22 +48,11 @@ def run(method, hidden, head, labels, weights) -> tuple[torch.Tensor, torch.Tens
 
 
 def timed_ms(fn, iters: int, cuda: bool) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - began) * 1e3)
-    return statistics.median(times)
+    if cuda:
+        return median_ms(fn, iters)
+    began = time.perf_counter()  # the CPU smoke test: one call
+    fn()
+    return (time.perf_counter() - began) * 1e3
 
 
 def peak_gib(fn, cuda: bool) -> float | None:
