@@ -619,9 +619,10 @@ def spec_decode_tally(llm) -> dict:
 def shutdown_llm(llm) -> None:
     """Stop an offline ``LLM``'s engine now, so its memory (and, on a GPU, its KV cache) goes back before the next
     engine starts in the same process. vLLM 0.26-0.32: ``llm.llm_engine.engine_core.shutdown()``, and a fresh
-    CUDA-graph pool for the next in-process engine."""
+    CUDA-graph pool for the next in-process engine; then the caching allocator's freed blocks go back to the GPU."""
     import gc
 
+    import torch
     from vllm.platforms import current_platform
 
     engine_core = getattr(llm.llm_engine, "engine_core", None)
@@ -635,6 +636,8 @@ def shutdown_llm(llm) -> None:
     if getattr(platform_class, "_global_graph_pool", None) is not None:
         platform_class._global_graph_pool = None
     gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 __all__ = [

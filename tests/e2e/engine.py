@@ -108,23 +108,13 @@ def metric(llm, name: str):
 
 
 def run(target: str, spec: dict | None, prompts, sampling_params, **engine_kwargs) -> RunResult:
+    from vllm_ddtree.compat import shutdown_llm
+
     llm = make_llm(target, spec, **engine_kwargs)
     try:
         return generate(llm, prompts, sampling_params)
     finally:
-        close(llm)
-
-
-def close(llm) -> None:
-    from vllm_ddtree.compat import shutdown_llm
-
-    shutdown_llm(llm)
-    del llm
-    gc.collect()
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        shutdown_llm(llm)
 
 
 class Engine:
@@ -136,7 +126,9 @@ class Engine:
         self.llm = make_llm(target, spec, **engine_kwargs)
 
     def close(self) -> None:
+        from vllm_ddtree.compat import shutdown_llm
+
         llm, self.llm = self.llm, None
-        close(llm)
+        shutdown_llm(llm)
         del llm
         gc.collect()

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.engine import close, make_llm
+from tests.e2e.engine import make_llm
 from tests.e2e.test_tiny_pair_ddtree import DRAFTER, ENGINE, TARGET, ddtree, greedy, prompts  # noqa: F401 (fixture)
 from tests.unit.test_benchmark_script import load_benchmark
+from vllm_ddtree.compat import shutdown_llm
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +46,7 @@ def test_requests_in_flight_stay_at_the_batch_size_and_answers_match_generate(pr
                                  min_seconds=4 * once["seconds"])  # fmt: skip (CI ran a 1.5x pass in one, session 21)
         alone = bench.measure(llm, [{"prompt_token_ids": p} for p in prompts[:3]], 1, 0.0, 24, 1, True)
     finally:
-        close(llm)
+        shutdown_llm(llm)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
     # Kept at 3 (a finished request is replaced at once) until the prompts run out, then drained: never below 3 and
     # back up again, as consecutive groups of 3 would be.

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.engine import make_llm, close, run
+from tests.e2e.engine import make_llm, run
+from vllm_ddtree.compat import shutdown_llm
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "tiny_pair"
 TARGET = str(FIXTURE / "target")
@@ -73,7 +74,7 @@ def test_requests_ending_inside_accepted_paths(prompts, baseline):
             assert reason == "stop"
         assert result.acceptance_length > 2.0
     finally:
-        close(llm)
+        shutdown_llm(llm)
 
 
 def test_eos_inside_accepted_path(prompts, baseline):
@@ -175,7 +176,7 @@ def test_preempted_requests_keep_greedy_output(prompts):
         tree = generate(llm, prompts, params)
         preemptions = metric(llm, "vllm:num_preemptions")
     finally:
-        close(llm)
+        shutdown_llm(llm)
     assert preemptions > 10, "the small KV cache should have preempted requests"
     assert tree.token_ids == plain.token_ids
     assert tree.acceptance_length > 1.2, tree.metrics
@@ -201,7 +202,7 @@ def test_chunked_prefill_and_prefix_cache_keep_greedy_output():
         rounds = [generate(llm, prompts, greedy(64)) for _ in range(2)]
         hits = metric(llm, "vllm:prefix_cache_hits")
     finally:
-        close(llm)
+        shutdown_llm(llm)
     assert min(len(p) for p in prompts) > 128  # every prompt needs several chunks
     assert hits > 0
     assert [r.token_ids for r in rounds] == [plain.token_ids] * 2

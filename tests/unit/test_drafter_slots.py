@@ -62,10 +62,11 @@ def test_kv_lookahead_covers_the_drafter_queries(budget):
 @pytest.mark.slow
 def test_scheduler_reserves_the_drafter_kv():
     """The running scheduler (in-process engine, the real CPU build) holds the lookahead, not only the config."""
-    from tests.e2e.engine import close, make_llm
+    from tests.e2e.engine import make_llm
+    from vllm_ddtree.compat import shutdown_llm
 
     llm = make_llm(TARGET, {"method": "ddtree", "model": DRAFTER, "num_speculative_tokens": 1})
     try:
         assert llm.llm_engine.engine_core.engine_core.scheduler.num_lookahead_tokens == DEPTH + 1
     finally:
-        close(llm)
+        shutdown_llm(llm)
