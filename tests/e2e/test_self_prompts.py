@@ -30,12 +30,16 @@ def test_the_user_opening_is_where_a_templated_user_message_begins(tokenizer):
 
 def test_written_prompts_are_kept_across_reruns_and_answered_last(smollm2, tokenizer, tmp_path):
     from vllm_ddtree.drafter.self_prompts import normalised, written_prompts
-    from vllm_ddtree.drafter.train import TrainConfig, encode_prompts, train
+    from vllm_ddtree.drafter.train import TrainConfig, encode_prompts, train, vllm_generator
+
+    def written(cfg: TrainConfig) -> list[str]:  # as train() calls it, with engines of its own
+        with vllm_generator(cfg, {tokenizer.eos_token_id}) as generator:
+            return written_prompts(cfg, tokenizer, {tokenizer.eos_token_id}, generator)
 
     cfg = dict(target=smollm2, out=str(tmp_path / "run"), generator="vllm", max_prompt_len=96, max_new_tokens=8,
                block_size=4, num_layers=1, steps=0, eval_every=0, eval_prompts=0, device="cpu", sources=("mtbench",))
     path = tmp_path / "run" / "self_prompts.jsonl"
-    first = written_prompts(TrainConfig(**cfg, self_prompts=6), tokenizer, {tokenizer.eos_token_id})
+    first = written(TrainConfig(**cfg, self_prompts=6))
     samples = [json.loads(line)["text"] for line in path.read_text().splitlines()]
     assert len(samples) == 6 and 3 <= len(first) <= 6  # SmolLM2 ends most turns within 96 tokens
     assert len({normalised(t) for t in first}) == len(first) and all(t.strip() == t for t in first)
@@ -46,11 +50,10 @@ def test_written_prompts_are_kept_across_reruns_and_answered_last(smollm2, token
     train(TrainConfig(**cfg, self_prompts=8), prompt_ids=prompts)  # two more samples, then every answer
     assert [json.loads(line)["text"] for line in path.read_text().splitlines()][:6] == samples
     answers = [json.loads(line) for line in (tmp_path / "run" / "responses.jsonl").read_text().splitlines()]
-    again = written_prompts(TrainConfig(**cfg, self_prompts=8), tokenizer, {tokenizer.eos_token_id})
+    again = written(TrainConfig(**cfg, self_prompts=8))
     assert again[: len(first)] == first
     assert [a["prompt"] for a in answers] == prompts + encode_prompts(tokenizer, again, True, 96)
-    later = written_prompts(TrainConfig(**cfg, self_prompts=2, self_prompts_from=6), tokenizer,
-                            {tokenizer.eos_token_id})  # samples 6 and 7, in a file of their own
+    later = written(TrainConfig(**cfg, self_prompts=2, self_prompts_from=6))  # samples 6 and 7, in a file of their own
     kept_path = tmp_path / "run" / "self_prompts-from-6.jsonl"
     kept = [json.loads(line)["text"] for line in kept_path.read_text().splitlines()]
     assert kept == [json.loads(line)["text"] for line in path.read_text().splitlines()][6:8]

@@ -309,7 +309,7 @@ def test_vllm_generator_greedy_first_answers_are_the_greedy_ones(tmp_path, one_c
     EOS the same way) and answer 1 is sampled. Two engines in processes of their own give the same answers, and
     keep them over two calls (as a run's prompts and then its answers): each engine is built once."""
     from tests.tiny_models import make_tiny_target
-    from vllm_ddtree.drafter.generate import VllmGenerator, generate_responses, generate_responses_vllm
+    from vllm_ddtree.drafter.generate import VllmGenerator, generate_responses
     from vllm_ddtree.drafter.train import TrainConfig, _special_ids, answer_temperature, load_target
 
     target = make_tiny_target(tmp_path / "target")
@@ -320,8 +320,8 @@ def test_vllm_generator_greedy_first_answers_are_the_greedy_ones(tmp_path, one_c
     assert temperatures == [0.0, 1.0] * 3
     model, tokenizer = load_target(str(target), torch.device("cpu"), "float32")
     pad_id, eos_ids = _special_ids(model, tokenizer)
-    chunks = list(generate_responses_vllm(str(target), [p for p in prompts for _ in range(2)], 24, temperatures,
-                                          seed=0, eos_ids=eos_ids, chunk_size=4))
+    with VllmGenerator(str(target), 40, eos_ids) as generator:  # one engine, in this process
+        chunks = list(generator.answer([p for p in prompts for _ in range(2)], 24, temperatures, seed=0, chunk_size=4))
     assert [len(chunk) for chunk in chunks] == [4, 2]
     answers = [answer for chunk in chunks for answer in chunk]
     greedy = generate_responses(model, prompts, 24, 0.0, 8, sorted(eos_ids), pad_id)
@@ -942,14 +942,14 @@ def test_generation_past_the_time_limit_stops_with_the_answers_kept_and_the_reru
     the message naming the counts and the rerun. The limit is already past here, so no engine starts."""
     import time
 
-    from vllm_ddtree.drafter.train import AnswersIncomplete, TrainConfig, _load_or_generate
+    from vllm_ddtree.drafter.train import AnswersIncomplete, TrainConfig, _load_or_generate, vllm_generator
 
     cfg = TrainConfig(target=str(tmp_path / "no-target"), out=str(tmp_path), generator="vllm", time_limit_s=5.0)
     prompts = [[5 + i, 40 + i, 90 + i] for i in range(3)]
     banked = json.dumps({"prompt": prompts[0], "response": [7, 8, 9]}) + "\n"
     (tmp_path / "responses.jsonl").write_text(banked)
     with pytest.raises(AnswersIncomplete, match=r"time limit \(5 s\).*1 of 3 answers.*again"):
-        _load_or_generate(cfg, None, None, None, prompts, [], 0, {2}, deadline=time.monotonic() - 1)
+        _load_or_generate(cfg, None, prompts, [], 0, {2}, vllm_generator(cfg, {2}), deadline=time.monotonic() - 1)
     assert (tmp_path / "responses.jsonl").read_text() == banked
 
 
@@ -978,9 +978,9 @@ def test_a_time_limit_past_before_training_skips_the_feature_store(tmp_path, one
 def test_vllm_generator_engine_that_fails_to_start_raises_its_error(tmp_path):
     """A generator engine in a process of its own that cannot start (here: no model at the path) sends its error
     back: the parent raises it, naming the engine, instead of waiting for answers that never come."""
-    from vllm_ddtree.drafter.generate import generate_responses_vllm
+    from vllm_ddtree.drafter.generate import VllmGenerator
 
     missing = tmp_path / "no-model"
     with pytest.raises(RuntimeError, match=r"generator engine [12] failed:(.|\n)*no-model"):
-        list(generate_responses_vllm(str(missing), [[5, 6, 7], [8, 9, 10]], 4, [0.0, 0.0], seed=0, eos_ids={2},
-                                     engines=2))
+        with VllmGenerator(str(missing), 8, eos_ids={2}, engines=2) as generator:
+            list(generator.answer([[5, 6, 7], [8, 9, 10]], 4, [0.0, 0.0], seed=0))

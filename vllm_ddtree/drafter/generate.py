@@ -62,19 +62,6 @@ def _cut_after_eos(row: list[int], eos_ids: set[int]) -> list[int]:
     return row
 
 
-def generate_responses_vllm(
-    target: str, prompts: list[list[int]], max_new_tokens: int, temperatures: list[float], seed: int,
-    eos_ids, chunk_size: int = 4096, deadline: float | None = None, cuda_graphs: bool = False, engines: int = 1,
-):
-    """`VllmGenerator.answer` with engines of its own, closed at the end (a one-off generation)."""
-    max_model_len = max(len(p) for p in prompts) + max_new_tokens
-    generator = VllmGenerator(target, max_model_len, eos_ids, seed=seed, cuda_graphs=cuda_graphs, engines=engines)
-    try:
-        yield from generator.answer(prompts, max_new_tokens, temperatures, seed, chunk_size, deadline)
-    finally:
-        generator.close()
-
-
 class VllmGenerator:
     """vLLM engines for the target's answers, started at the first `answer` call that has work and kept for later
     calls until `close`. `max_model_len` covers every call's prompts plus its new tokens (a call that needs more
@@ -151,7 +138,9 @@ class VllmGenerator:
             self.crew.close()
             self.crew = None
         if self.llm is not None:
-            _stop_engine(self.llm)
+            from vllm_ddtree.compat import shutdown_llm
+
+            shutdown_llm(self.llm)
             self.llm = None
 
 
@@ -173,18 +162,6 @@ def _start_engine(target: str, engine_args: dict):
     from vllm import LLM
 
     return LLM(target, **engine_args)
-
-
-def _stop_engine(llm) -> None:
-    import gc
-
-    from vllm_ddtree.compat import shutdown_llm
-
-    shutdown_llm(llm)
-    del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _answer_chunk(llm, chunk: list[tuple], max_new_tokens: int, eos_ids: list[int]) -> tuple[list, int, float]:
@@ -215,7 +192,9 @@ def _crew_member(target: str, engine_args: dict, eos_ids: list[int], member: int
         while (task := tasks.get()) is not None:
             index, chunk, max_new_tokens = task
             results.put(("answered", member, (index, _answer_chunk(llm, chunk, max_new_tokens, eos_ids))))
-        _stop_engine(llm)
+        from vllm_ddtree.compat import shutdown_llm
+
+        shutdown_llm(llm)
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results.put(("failed", member, traceback.format_exc()))
 

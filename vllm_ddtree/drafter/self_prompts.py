@@ -48,15 +48,13 @@ def usable_prompts(samples: list[str | None], refused: set[str]) -> list[str]:
     return kept
 
 
-def written_prompts(cfg, tokenizer, eos_ids: set[int], deadline: float | None = None, generator=None) -> list[str]:
+def written_prompts(cfg, tokenizer, eos_ids: set[int], generator, deadline: float | None = None) -> list[str]:
     """``cfg.self_prompts`` user turns sampled from the target (`usable_prompts` of them, held-out prompts of
     ``cfg.sources`` refused), generated with vLLM as the answers are; the samples already in OUT/self_prompts.jsonl
-    are kept. Past ``deadline`` the samples so far are kept and `AnswersIncomplete` names the rerun. `generator`:
-    the run's `VllmGenerator` (None: one of its own)."""
-    import contextlib
-
+    are kept, written by `generator` (the run's `VllmGenerator`). Past ``deadline`` the samples so far are kept and
+    `AnswersIncomplete` names the rerun."""
     from vllm_ddtree.drafter import data
-    from vllm_ddtree.drafter.train import AnswersIncomplete, vllm_generator
+    from vllm_ddtree.drafter.train import AnswersIncomplete
 
     first = cfg.self_prompts_from
     path = Path(cfg.out) / ("self_prompts.jsonl" if first == 0 else f"self_prompts-from-{first}.jsonl")
@@ -66,17 +64,14 @@ def written_prompts(cfg, tokenizer, eos_ids: set[int], deadline: float | None = 
     todo = cfg.self_prompts - len(samples)
     if todo > 0:
         opening = user_turn_opening(tokenizer)
-        with contextlib.ExitStack() as own:
-            if generator is None:
-                generator = own.enter_context(vllm_generator(cfg, eos_ids))
-            chunks = generator.answer([opening] * todo, cfg.max_prompt_len, [TEMPERATURE] * todo,
-                                      SEED + first + len(samples), deadline=deadline)  # fmt: skip
-            for chunk in chunks:
-                texts = [tokenizer.decode(ids, skip_special_tokens=True) if ids and ids[-1] in eos_ids else None
-                         for ids in chunk]  # fmt: skip
-                with path.open("a") as f:
-                    f.writelines(json.dumps({"text": text}) + "\n" for text in texts)
-                samples += texts
+        chunks = generator.answer([opening] * todo, cfg.max_prompt_len, [TEMPERATURE] * todo,
+                                  SEED + first + len(samples), deadline=deadline)  # fmt: skip
+        for chunk in chunks:
+            texts = [tokenizer.decode(ids, skip_special_tokens=True) if ids and ids[-1] in eos_ids else None
+                     for ids in chunk]  # fmt: skip
+            with path.open("a") as f:
+                f.writelines(json.dumps({"text": text}) + "\n" for text in texts)
+            samples += texts
     if len(samples) < cfg.self_prompts:
         raise AnswersIncomplete(
             f"time limit ({cfg.time_limit_s or 0:.0f} s) reached while the target wrote its own prompts: "

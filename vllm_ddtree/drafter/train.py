@@ -433,18 +433,15 @@ def answer_plan(cfg: TrainConfig, prompt_ids: list[list[int]], later_prompt_ids:
     return [p for p in prompt_ids for _ in range(K)] + prompt_ids * rounds + later_prompt_ids, temperatures
 
 
-def _load_or_generate(cfg: TrainConfig, target, tokenizer, prompts, prompt_ids, later_prompt_ids, pad_id, eos_ids,
-                      deadline: float | None = None, generator: VllmGenerator | None = None
-                      ) -> list[Sequence]:  # fmt: skip
+def _load_or_generate(cfg: TrainConfig, target, prompt_ids, later_prompt_ids, pad_id, eos_ids,
+                      generator: VllmGenerator | None, deadline: float | None = None) -> list[Sequence]:  # fmt: skip
     """OUT/responses.jsonl caches the target's responses; generation resumes where the file stops. With the vLLM
-    generator (`generator`: engines already up; None: started here for these answers), a `deadline`
-    (time.monotonic()) reached before every answer is there raises `AnswersIncomplete`."""
+    generator (`generator`, the run's engines; None with cfg.generator "hf"), a `deadline` (time.monotonic())
+    reached before every answer is there raises `AnswersIncomplete`."""
     path = Path(cfg.out) / "responses.jsonl"
     seqs = []
     if path.exists():
         seqs = [Sequence(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
-    if prompt_ids is None:
-        prompt_ids = encode_prompts(tokenizer, prompts, cfg.chat_template, cfg.max_prompt_len)
     prompt_ids, temperatures = answer_plan(cfg, prompt_ids, later_prompt_ids)
     stray = next((i for i, seq in enumerate(seqs) if i >= len(prompt_ids) or seq.prompt != prompt_ids[i]), None)
     if stray is not None:
@@ -456,11 +453,8 @@ def _load_or_generate(cfg: TrainConfig, target, tokenizer, prompts, prompt_ids, 
     todo, done = prompt_ids[len(seqs) :], len(seqs)
     if todo:
         if cfg.generator == "vllm":
-            with contextlib.ExitStack() as own:
-                if generator is None:
-                    generator = own.enter_context(vllm_generator(cfg, eos_ids))
-                _write_answers(path, seqs, todo, generator.answer(todo, cfg.max_new_tokens, temperatures[done:],
-                                                                  cfg.seed + done, deadline=deadline))  # fmt: skip
+            _write_answers(path, seqs, todo, generator.answer(todo, cfg.max_new_tokens, temperatures[done:],
+                                                              cfg.seed + done, deadline=deadline))  # fmt: skip
         else:
             if len(set(temperatures[done:])) > 1:
                 raise ValueError("greedy_first with the 'hf' generator is not supported; use generator='vllm'")
@@ -596,11 +590,10 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
         if prompt_ids is None:
             prompt_ids = encode_prompts(tokenizer, prompts, cfg.chat_template, cfg.max_prompt_len)
         if cfg.self_prompts:
-            written = written_prompts(cfg, tokenizer, eos_ids, deadline, generator)
+            written = written_prompts(cfg, tokenizer, eos_ids, generator, deadline)
             later = later + encode_prompts(tokenizer, written, cfg.chat_template, cfg.max_prompt_len)
             print(f"self_prompts: {len(written)} usable of {cfg.self_prompts} written by the target", flush=True)
-        seqs = _load_or_generate(cfg, target, tokenizer, prompts, prompt_ids, later, pad_id, eos_ids, deadline,
-                                 generator)  # fmt: skip
+        seqs = _load_or_generate(cfg, target, prompt_ids, later, pad_id, eos_ids, generator, deadline)
     if not seqs:
         raise ValueError("the target produced no response of 2 or more tokens; check the prompts and EOS ids")
     eval_seqs = _eval_sequences(cfg, target, tokenizer, eval_prompt_ids, pad_id, eos_ids)
