@@ -100,7 +100,9 @@ def decode_agreement(context: int, width: int, q_scale: float, seed: int) -> dic
     FA3 over the whole chain at once (vLLM's DFlash chain verification), the one-pass Triton tree kernel (DDTree at
     batch 1) and the split path (FA3 over the context merged with the Triton tree part, DDTree from batch 2).
     If the first is near 1 and the others are not, verifying each root-to-leaf path with FA3 would make DDTree's
-    bf16 rows round like the chain's (issue 3's bf16 goal)."""
+    bf16 rows round like the chain's (issue 3's bf16 goal). Session 49 (H100): FA3's 17-node chain was bitwise
+    decoding's at every context, the Triton paths were not; `fa3_per_node` (each node a sequence of its own in one
+    call) asks whether that survives the per-path design's batch of sequences."""
     from types import SimpleNamespace
 
     from vllm_ddtree.attention.layers import split_tree_attention_
@@ -119,6 +121,13 @@ def decode_agreement(context: int, width: int, q_scale: float, seed: int) -> dic
 
     decoded = torch.cat([fa3_causal(q[i: i + 1], context + i + 1) for i in range(width)])  # [W, Hq, D]
     outputs = {"fa3_chain": fa3_causal(q, total)}
+    # Every node its own sequence in one call (one query over context + its path; here the path is the chain's
+    # prefix, so the block table rows are the same): the per-path design of docs/bf16-drift.md at its finest. Asks
+    # whether FA3's choices for a batch of W sequences (its split of the keys among blocks) keep decoding's rounding.
+    outputs["fa3_per_node"] = fa3(
+        q, keys, values, max_seqlen_q=1, cu_seqlens_q=torch.arange(width + 1, dtype=torch.int32, device=DEVICE),
+        max_seqlen_k=total, seqused_k=(context + 1 + torch.arange(width, device=DEVICE)).to(torch.int32),
+        causal=True, block_table=block_table.expand(width, -1).contiguous(), softmax_scale=scale, fa_version=3)
     mask = torch.tril(torch.ones(width, width, dtype=torch.uint8, device=DEVICE))[None]
     one_pass = torch.full_like(q, float("nan"))
     tree_attention_triton_(q, keys, values, block_table, i64(0), i64(total), i64(width), mask, total, scale, one_pass)
@@ -147,7 +156,7 @@ def main() -> None:
     if args.against_decode:
         rows = [decode_agreement(c, w, qs, seed=i) for i, (c, w, qs) in enumerate(
             (c, w, qs) for c in args.contexts for w in args.widths for qs in (1.0, 4.0))]  # fmt: skip
-        names = ("fa3_chain", "triton_one_pass", "split")
+        names = ("fa3_chain", "fa3_per_node", "triton_one_pass", "split")
         columns = " | ".join(f"{n}: equal elements / rows, mean diff" for n in names)
         print(f"| context | nodes | q scale | {columns} |")
         print("| --- | --- | --- |" + " --- |" * len(names))

@@ -86,12 +86,12 @@ if [ -f /tmp/smollm2-dflash/report.json ]; then
   ls -la "$OUT"
 fi
 # SAVE_RESPONSES=1: the answers come back too, with the prompts the target wrote (self_prompts*.jsonl: the answers'
-# plan depends on them), as answers.tar.xz.part* (~13 MB for 79k answers; a call returns at most 8 files). Here:
+# plan depends on them) and the held-out prompts' answers (eval_responses.jsonl: 35 s of every call in session 49), as answers.tar.xz.part* (~13 MB for 79k answers; a call returns at most 8 files). Here:
 # `bash scripts/gpu_bank.sh <files_at>` keeps them in .gpu/answers/ and in docs/results/bank/ to commit (a later
 # session's fresh checkout has only what git has). A later T1 carrying .gpu/answers answers only the
 # prompts past the banked ones, e.g. SELF_PROMPTS=40000 with the same SELF_PROMPTS_FROM writes and answers 20,000 more.
 if [ "${SAVE_RESPONSES:-0}" = 1 ] && [ -f /tmp/smollm2-dflash/responses.jsonl ]; then
-  (cd /tmp/smollm2-dflash && ls responses.jsonl self_prompts*.jsonl 2>/dev/null | tar -cf - -T - | xz -T0 -6 -c) \
+  (cd /tmp/smollm2-dflash && ls responses.jsonl self_prompts*.jsonl eval_responses.jsonl 2>/dev/null | tar -cf - -T - | xz -T0 -6 -c) \
     | split -b 15M -d - "$OUT/answers.tar.xz.part"
   ls -la "$OUT"/answers.tar.xz.part*
 fi

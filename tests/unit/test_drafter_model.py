@@ -388,6 +388,37 @@ def test_resumed_training_keeps_the_heldout_curve(tmp_path, one_cpu_thread, caps
     assert all(torch.equal(weights[name], uninterrupted[name]) for name in uninterrupted)
 
 
+def test_heldout_answers_are_kept_in_out_and_reused_only_for_the_same_prompts(tmp_path, one_cpu_thread,
+                                                                              monkeypatch):
+    """The held-out prompts' greedy answers go to OUT/eval_responses.jsonl; a later call with the same prompts and
+    max_new_tokens reads them back instead of generating, and other prompts or lengths generate again."""
+    from tests.tiny_models import make_tiny_target
+    from vllm_ddtree.drafter import train as train_module
+    from vllm_ddtree.drafter.generate import generate_responses
+    from vllm_ddtree.drafter.train import EVAL_RESPONSES, TrainConfig, _eval_sequences, _special_ids, load_target
+
+    target_dir = make_tiny_target(tmp_path / "target")
+    target, tokenizer = load_target(str(target_dir), torch.device("cpu"))
+    pad_id, eos_ids = _special_ids(target, tokenizer)
+    cfg = TrainConfig(target=str(target_dir), out=str(tmp_path), max_new_tokens=6, eval_prompts=4, device="cpu")
+    prompts = [[7, 8, 9], [10, 11]]
+    expected = generate_responses(target, prompts, 6, 0.0, cfg.gen_batch_size, sorted(eos_ids), pad_id)
+    first = _eval_sequences(cfg, target, tokenizer, prompts, pad_id, eos_ids)
+    assert [s.ids for s in first] == [p + r for p, r in zip(prompts, expected)]
+    assert (tmp_path / EVAL_RESPONSES).exists()
+
+    calls = []
+    monkeypatch.setattr(train_module, "generate_responses",
+                        lambda model, ids, *args: calls.append(ids) or [[3] for _ in ids])  # fmt: skip
+    again = _eval_sequences(cfg, target, tokenizer, prompts, pad_id, eos_ids)
+    assert [s.ids for s in again] == [s.ids for s in first] and calls == []
+    other = _eval_sequences(cfg, target, tokenizer, [[7, 8, 9]], pad_id, eos_ids)
+    longer = _eval_sequences(TrainConfig(**{**cfg.__dict__, "max_new_tokens": 7}), target, tokenizer, [[7, 8, 9]],
+                             pad_id, eos_ids)  # fmt: skip
+    assert calls == [[[7, 8, 9]], [[7, 8, 9]]]
+    assert [s.ids for s in other] == [s.ids for s in longer] == [[7, 8, 9, 3]]
+
+
 def test_training_starts_from_a_saved_drafter(tmp_path, one_cpu_thread):
     """`init_from`: a run starts from a saved drafter's weights and architecture (0 steps give the same weights
     back, 2 steps change them), and a drafter for another target is refused with the fix named."""
@@ -679,6 +710,7 @@ def test_feature_store_rows_are_the_per_batch_outputs(tmp_path, one_cpu_thread):
         last = gathered.features[b, n - 1 : n]
         assert torch.equal(gathered.features[b, n:], last.expand(T - n, -1))  # padding repeats the last row
     assert FeatureStore.build(model, sequences[:2], layer_ids, pad_id=0).rows.top_ids is None  # top_k 0: none kept
+    assert store.build_seconds.keys() == {"target", "rows"} and store.build_seconds["target"] > 0  # the log's split
 
 
 def test_a_store_build_that_would_end_past_its_deadline_stops(tmp_path, one_cpu_thread, capsys, monkeypatch):

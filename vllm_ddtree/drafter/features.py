@@ -98,6 +98,7 @@ class FeatureStore:
         self.starts = starts  # [num sequences] first row of each sequence within its tier (CPU)
         self.lengths = lengths  # [num sequences] (CPU)
         self.on_host = on_host  # [num sequences] bool: the sequence's rows are in the host tier (CPU)
+        self.build_seconds = {"target": 0.0, "rows": 0.0}  # where `build`'s time went (the log's store line)
 
     @staticmethod
     def nbytes(sequences: list[list[int]], num_features: int, dtype: torch.dtype, top_k: int = 0) -> int:
@@ -127,6 +128,8 @@ class FeatureStore:
         batches += [batch] if batch else []
         attention_len = attention_length(model)
         pace = _Pace(sum(batch_cost(len(b), len(sequences[b[0]]), attention_len) for b in batches))
+        seconds = {"target": 0.0, "rows": 0.0}  # the target's forwards, and writing their rows into the store
+        clock = time.perf_counter()
         for batch in tqdm(batches, desc="target features", unit="batch", mininterval=10):
             T = len(sequences[batch[0]])
             end = pace.projected_end()
@@ -139,6 +142,7 @@ class FeatureStore:
                 input_ids[b, : len(sequences[i])] = torch.tensor(sequences[i])
             seq_lens = lengths[batch]
             outputs = target_outputs(model, input_ids.to(device), seq_lens.to(device), layer_ids, top_k)  # [b, T, ...]
+            clock = _lap(seconds, "target", clock, device)
             if rows is None:
                 per_token = sum(t.shape[-1] * t.element_size() for t in _fields(outputs) if t is not None)
                 device_tokens = lengths.sum() if device_bytes is None else device_bytes // per_token
@@ -157,10 +161,13 @@ class FeatureStore:
                 for field, value in zip(_fields(store), _fields(outputs)):
                     if field is not None:
                         field[index.to(field.device)] = value[keep.to(device)].to(field.device)
+            clock = _lap(seconds, "rows", clock, device)
             pace.step(batch_cost(len(batch), T, attention_len))
         if not on_host.any():
             host_rows = None
-        return cls(rows, host_rows, starts, lengths, on_host)
+        store = cls(rows, host_rows, starts, lengths, on_host)
+        store.build_seconds = seconds
+        return store
 
     def describe(self) -> str:
         """Where the rows are, for the log."""
@@ -197,6 +204,16 @@ class FeatureStore:
             out[host.nonzero().squeeze(1).to(device)] = staged.view(-1, T, field.shape[-1]).to(device, non_blocking=True)
             gathered.append(out)
         return TargetOutputs(*gathered)
+
+
+def _lap(seconds: dict, phase: str, since: float, device: torch.device) -> float:
+    """Add the time since ``since`` to ``seconds[phase]`` once the device's work is done (one wait per store batch:
+    the build runs once a call, and the split tells the target's forwards from the rows' copies)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    now = time.perf_counter()
+    seconds[phase] += now - since
+    return now
 
 
 class _Pace:

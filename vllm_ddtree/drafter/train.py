@@ -742,7 +742,8 @@ def _feature_store(cfg: TrainConfig, target, seqs: list[Sequence], layer_ids: li
             torch.cuda.empty_cache()
         return None
     print(f"feature store: {len(sequences)} answers, {nbytes / 2**30:.1f} GiB ({store.describe()}; {why}), "
-          f"built in {time.perf_counter() - began:.0f} s")
+          f"built in {time.perf_counter() - began:.0f} s (target forwards {store.build_seconds['target']:.0f} s, rows "
+          f"{store.build_seconds['rows']:.0f} s)")
     return store
 
 
@@ -780,9 +781,29 @@ def _eval_sequences(cfg, target, tokenizer, eval_prompt_ids, pad_id, eos_ids) ->
         random.Random(cfg.seed).shuffle(heldout)
         eval_prompt_ids = encode_prompts(tokenizer, heldout, cfg.chat_template, cfg.max_prompt_len)
     eval_prompt_ids = eval_prompt_ids[: cfg.eval_prompts]
-    responses = generate_responses(target, eval_prompt_ids, cfg.max_new_tokens, 0.0, cfg.gen_batch_size,
-                                   sorted(eos_ids), pad_id)
+    path = Path(cfg.out) / EVAL_RESPONSES
+    responses = _cached_eval_responses(path, eval_prompt_ids, cfg.max_new_tokens)
+    if responses is None:
+        responses = generate_responses(target, eval_prompt_ids, cfg.max_new_tokens, 0.0, cfg.gen_batch_size,
+                                       sorted(eos_ids), pad_id)
+        path.write_text("".join(json.dumps({"prompt": p, "response": r, "max_new_tokens": cfg.max_new_tokens}) + "\n"
+                                for p, r in zip(eval_prompt_ids, responses)))  # fmt: skip
     return [Sequence(p, r) for p, r in zip(eval_prompt_ids, responses)]
+
+
+EVAL_RESPONSES = "eval_responses.jsonl"  # the held-out prompts' greedy answers (transformers), kept in OUT
+
+
+def _cached_eval_responses(path: Path, prompt_ids: list[list[int]], max_new_tokens: int) -> list[list[int]] | None:
+    """The responses in ``path`` if it answers exactly ``prompt_ids`` with ``max_new_tokens``, else None. Every
+    training call needs them, and transformers took 35 s for 16 answers on an H100 (session 49), each call again:
+    a resumed call, or a later session's call that carries the file with the banked answers, reads them here."""
+    if not path.exists():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if [r["prompt"] for r in rows] != prompt_ids or any(r["max_new_tokens"] != max_new_tokens for r in rows):
+        return None
+    return [r["response"] for r in rows]
 
 
 def _special_ids(target, tokenizer) -> tuple[int, set[int]]:
