@@ -128,6 +128,19 @@ def decode_agreement(context: int, width: int, q_scale: float, seed: int) -> dic
         q, keys, values, max_seqlen_q=1, cu_seqlens_q=torch.arange(width + 1, dtype=torch.int32, device=DEVICE),
         max_seqlen_k=total, seqused_k=(context + 1 + torch.arange(width, device=DEVICE)).to(torch.int32),
         causal=True, block_table=block_table.expand(width, -1).contiguous(), softmax_scale=scale, fa_version=3)
+    # The same through one-token pages: the cache viewed as [blocks * PAGE, 1, Hkv, D] and a table of key slots per
+    # node, which can name a tree node's context and ancestors in place (no copies; `attention/per_path.py`).
+    slots = (block_table[0, :, None] * PAGE + torch.arange(PAGE, device=DEVICE)).flatten()[:total]  # [context + W]
+    token_table = slots[None, :].expand(width, -1).contiguous()  # [W, context + W] row i: keys 0..context + i
+    try:  # FA3 may refuse one-token pages: that is an answer too
+        outputs["fa3_per_node_page1"] = fa3(
+            q, keys.view(-1, 1, KV_HEADS, HEAD_DIM), values.view(-1, 1, KV_HEADS, HEAD_DIM), max_seqlen_q=1,
+            cu_seqlens_q=torch.arange(width + 1, dtype=torch.int32, device=DEVICE), max_seqlen_k=total,
+            seqused_k=(context + 1 + torch.arange(width, device=DEVICE)).to(torch.int32), causal=True,
+            block_table=token_table, softmax_scale=scale, fa_version=3)  # fmt: skip
+    except RuntimeError as error:
+        print(f"fa3_per_node_page1 (context {context}, {width} nodes): {error}")
+        outputs["fa3_per_node_page1"] = torch.full_like(q, float("nan"))
     mask = torch.tril(torch.ones(width, width, dtype=torch.uint8, device=DEVICE))[None]
     one_pass = torch.full_like(q, float("nan"))
     tree_attention_triton_(q, keys, values, block_table, i64(0), i64(total), i64(width), mask, total, scale, one_pass)
@@ -156,7 +169,7 @@ def main() -> None:
     if args.against_decode:
         rows = [decode_agreement(c, w, qs, seed=i) for i, (c, w, qs) in enumerate(
             (c, w, qs) for c in args.contexts for w in args.widths for qs in (1.0, 4.0))]  # fmt: skip
-        names = ("fa3_chain", "fa3_per_node", "triton_one_pass", "split")
+        names = ("fa3_chain", "fa3_per_node", "fa3_per_node_page1", "triton_one_pass", "split")
         columns = " | ".join(f"{n}: equal elements / rows, mean diff" for n in names)
         print(f"| context | nodes | q scale | {columns} |")
         print("| --- | --- | --- |" + " --- |" * len(names))
