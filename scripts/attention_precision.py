@@ -114,33 +114,41 @@ def decode_agreement(context: int, width: int, q_scale: float, seed: int) -> dic
     i32 = lambda *x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
     i64 = lambda *x: torch.tensor(x, dtype=torch.int64, device=DEVICE)  # noqa: E731
 
-    def fa3_causal(rows: torch.Tensor, seq_len: int) -> torch.Tensor:
+    def fa3_causal(rows: torch.Tensor, seq_len: int, **kwargs) -> torch.Tensor:
         return fa3(rows, keys, values, max_seqlen_q=rows.shape[0], cu_seqlens_q=i32(0, rows.shape[0]),
                    max_seqlen_k=seq_len, seqused_k=i32(seq_len), causal=True, block_table=block_table,
-                   softmax_scale=scale, fa_version=3)  # fmt: skip
+                   softmax_scale=scale, fa_version=3, **kwargs)  # fmt: skip
+
+    def per_node(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Every node its own sequence in one call: one query over the context and its path (here the chain's
+        prefix), the per-path design of docs/bf16-drift.md and `attention/per_path.py`."""
+        return fa3(q, k, v, max_seqlen_q=1, cu_seqlens_q=torch.arange(width + 1, dtype=torch.int32, device=DEVICE),
+                   max_seqlen_k=total, seqused_k=(context + 1 + torch.arange(width, device=DEVICE)).to(torch.int32),
+                   causal=True, block_table=table, softmax_scale=scale, fa_version=3, **kwargs)  # fmt: skip
 
     decoded = torch.cat([fa3_causal(q[i: i + 1], context + i + 1) for i in range(width)])  # [W, Hq, D]
     outputs = {"fa3_chain": fa3_causal(q, total)}
-    # Every node its own sequence in one call (one query over context + its path; here the path is the chain's
-    # prefix, so the block table rows are the same): the per-path design of docs/bf16-drift.md at its finest. Asks
-    # whether FA3's choices for a batch of W sequences (its split of the keys among blocks) keep decoding's rounding.
-    outputs["fa3_per_node"] = fa3(
-        q, keys, values, max_seqlen_q=1, cu_seqlens_q=torch.arange(width + 1, dtype=torch.int32, device=DEVICE),
-        max_seqlen_k=total, seqused_k=(context + 1 + torch.arange(width, device=DEVICE)).to(torch.int32),
-        causal=True, block_table=block_table.expand(width, -1).contiguous(), softmax_scale=scale, fa_version=3)
+    # Does FA3 keep decoding's rounding for a batch of W sequences (it splits a sequence's keys among thread
+    # blocks by a heuristic over the whole batch: more sequences, fewer splits)?
+    outputs["fa3_per_node"] = per_node(keys, values, block_table.expand(width, -1).contiguous())
     # The same through one-token pages: the cache viewed as [blocks * PAGE, 1, Hkv, D] and a table of key slots per
-    # node, which can name a tree node's context and ancestors in place (no copies; `attention/per_path.py`).
+    # node, which names a tree node's context and ancestors in place (no copies), as `attention/per_path.py` does.
     slots = (block_table[0, :, None] * PAGE + torch.arange(PAGE, device=DEVICE)).flatten()[:total]  # [context + W]
-    token_table = slots[None, :].expand(width, -1).contiguous()  # [W, context + W] row i: keys 0..context + i
-    try:  # FA3 may refuse one-token pages: that is an answer too
-        outputs["fa3_per_node_page1"] = fa3(
-            q, keys.view(-1, 1, KV_HEADS, HEAD_DIM), values.view(-1, 1, KV_HEADS, HEAD_DIM), max_seqlen_q=1,
-            cu_seqlens_q=torch.arange(width + 1, dtype=torch.int32, device=DEVICE), max_seqlen_k=total,
-            seqused_k=(context + 1 + torch.arange(width, device=DEVICE)).to(torch.int32), causal=True,
-            block_table=token_table, softmax_scale=scale, fa_version=3)  # fmt: skip
-    except RuntimeError as error:
-        print(f"fa3_per_node_page1 (context {context}, {width} nodes): {error}")
-        outputs["fa3_per_node_page1"] = torch.full_like(q, float("nan"))
+    def attempt(name: str, run) -> None:  # a refused call is an answer too (NaN: no element equal)
+        try:
+            outputs[name] = run()
+        except (RuntimeError, TypeError) as error:
+            print(f"{name} (context {context}, {width} nodes): {error}")
+            outputs[name] = torch.full_like(q, float("nan"))
+
+    attempt("fa3_per_node_page1", lambda: per_node(keys.view(-1, 1, KV_HEADS, HEAD_DIM),
+                                                   values.view(-1, 1, KV_HEADS, HEAD_DIM),
+                                                   slots[None, :].expand(width, -1).contiguous()))  # fmt: skip
+    # One split each: whether decoding split its keys here at all, and whether the per-node batch then agrees.
+    attempt("decode_one_split", lambda: torch.cat([fa3_causal(q[i: i + 1], context + i + 1, num_splits=1)
+                                                   for i in range(width)]))  # fmt: skip
+    attempt("fa3_per_node_one_split", lambda: per_node(keys, values, block_table.expand(width, -1).contiguous(),
+                                                       num_splits=1))  # fmt: skip
     mask = torch.tril(torch.ones(width, width, dtype=torch.uint8, device=DEVICE))[None]
     one_pass = torch.full_like(q, float("nan"))
     tree_attention_triton_(q, keys, values, block_table, i64(0), i64(total), i64(width), mask, total, scale, one_pass)
@@ -169,7 +177,8 @@ def main() -> None:
     if args.against_decode:
         rows = [decode_agreement(c, w, qs, seed=i) for i, (c, w, qs) in enumerate(
             (c, w, qs) for c in args.contexts for w in args.widths for qs in (1.0, 4.0))]  # fmt: skip
-        names = ("fa3_chain", "fa3_per_node", "fa3_per_node_page1", "triton_one_pass", "split")
+        names = ("fa3_chain", "fa3_per_node", "fa3_per_node_page1", "decode_one_split", "fa3_per_node_one_split",
+                 "triton_one_pass", "split")
         columns = " | ".join(f"{n}: equal elements / rows, mean diff" for n in names)
         print(f"| context | nodes | q scale | {columns} |")
         print("| --- | --- | --- |" + " --- |" * len(names))

@@ -7,6 +7,7 @@ import os
 import torch
 
 from vllm_ddtree.attention.metadata import ATTRIBUTE as TREE_METADATA
+from vllm_ddtree.attention.per_path import per_path_requested
 from vllm_ddtree.attention.reference import tree_attention_reference_
 from vllm_ddtree.kv.paged import paged_kv_for
 
@@ -81,6 +82,16 @@ def _split_attention_applies(impl, query: torch.Tensor, tree) -> bool:
     )
 
 
+def _per_path_applies(impl, query: torch.Tensor) -> bool:
+    """`VLLM_DDTREE_PER_PATH_ATTENTION=1` with FlashAttention-3 and a 16-bit dtype (`attention/per_path.py`): every
+    node verified as one FA3 query over its context and path, rounding as plain decoding does."""
+    return (
+        per_path_requested()
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and getattr(impl, "vllm_flash_attn_version", None) == 3
+    )
+
+
 def split_tree_attention_(query, keys, values, tree, scale: float, out: torch.Tensor, launch=None) -> None:
     """The split design on CUDA: FA3 over each request's context (non-causal, with LSE; every scheduled row is a
     tree node, `tree.covers_all_tokens`), then the tree part merged into `out` by one Triton launch (`launch`: a
@@ -103,7 +114,11 @@ def split_tree_attention_(query, keys, values, tree, scale: float, out: torch.Te
 def tree_attention_(impl, query: torch.Tensor, kv_cache: torch.Tensor, tree, out: torch.Tensor) -> None:
     """Overwrite the tree rows of `out` [num_tokens, Hq, D]: the Triton kernel on CUDA, else the reference."""
     kv = paged_kv_for(impl, kv_cache)
-    if query.is_cuda and _split_attention_applies(impl, query, tree):
+    if query.is_cuda and _per_path_applies(impl, query):
+        from vllm_ddtree.attention.per_path import fa3_attend, per_path_attention_
+
+        per_path_attention_(query, kv.keys, kv.values, tree, impl.scale, out, fa3_attend)
+    elif query.is_cuda and _split_attention_applies(impl, query, tree):
         split_tree_attention_(query, kv.keys, kv.values, tree, impl.scale, out)
     elif query.is_cuda:
         from vllm_ddtree.attention.triton_tree import tree_attention_triton_

@@ -56,17 +56,27 @@ def backend_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows [T, N] int64, keep [T, N] bool): the scheduled-token row of every node and whether it keeps the
     backend's causal output (its mask row is causal: node i sees nodes 0..i, so causal attention is tree
-    attention). Entries past a request's last node alias that node, and padding requests alias request 0's root,
-    with the aliased entry's `keep`: duplicate rows then always carry equal values through a gather and a scatter."""
-    num_trees, width = node_mask.shape[0], node_mask.shape[1]
+    attention). Entries are aliased as in `node_aliases`, with the aliased entry's `keep`: duplicate rows then always
+    carry equal values through a gather and a scatter."""
+    width = node_mask.shape[1]
     node = torch.arange(width, device=node_mask.device)
     causal = node[None, :] <= node[:, None]  # [N, N]
     keep = (node_mask.bool() == causal).all(dim=-1) & (node[None, :] < num_nodes[:, None])  # [T, N]
-    real = (num_nodes > 0)[:, None]  # [T, 1]
-    alias_node = torch.where(real, torch.minimum(node[None, :], (num_nodes[:, None] - 1).clamp(min=0)), 0)
-    alias_req = torch.where(real, torch.arange(num_trees, device=node_mask.device)[:, None], 0).expand(-1, width)
+    alias_req, alias_node = node_aliases(num_nodes, width)
     rows = query_start.to(torch.int64)[alias_req] + alias_node
     return rows, keep[alias_req, alias_node]
+
+
+def node_aliases(num_nodes: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(request [T, N], node [T, N]) int64: the node each entry of a [T, N] grid of tree nodes stands for. Entries
+    past a request's last node stand for that node, and requests without nodes (padding) for request 0's root: an
+    entry computed from its alias's inputs equals the alias's output, so a scatter of every entry is well defined."""
+    num_trees = num_nodes.shape[0]
+    node = torch.arange(width, device=num_nodes.device)  # [N]
+    real = (num_nodes > 0)[:, None]  # [T, 1]
+    alias_node = torch.where(real, torch.minimum(node[None, :], (num_nodes[:, None] - 1).clamp(min=0)), 0)
+    alias_req = torch.where(real, torch.arange(num_trees, device=num_nodes.device)[:, None], 0).expand(-1, width)
+    return alias_req, alias_node
 
 
 @dataclass
@@ -111,6 +121,11 @@ def tree_attention_builder(layer_names, cudagraph_mode, max_reqs: int, width: in
     if cudagraph_mode is not None and cudagraph_mode.has_full_cudagraphs():
         persistent = PersistentTreeBuffers.allocate(max_reqs, width, device)
         logger.info("DDTree: FULL CUDA graphs for uniform tree-verification batches (%s)", cudagraph_mode.name)
+    from vllm_ddtree.attention.per_path import PER_PATH_ENV, per_path_requested
+
+    if per_path_requested():
+        logger.info("DDTree: %s=1: tree nodes verified one FA3 query each over their context and path, where the "
+                    "backend is FlashAttention-3 and the dtype 16-bit (else the tree kernels)", PER_PATH_ENV)
     return TreeAttentionMetadataBuilder(set(layer_names), persistent)
 
 

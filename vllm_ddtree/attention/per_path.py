@@ -1,0 +1,105 @@
+"""Per-path tree verification: every node attends as a sequence of its own, through FlashAttention-3.
+
+A node's tree attention is causal attention over its request's context and its own root-to-node path. FA3
+verifying a chain of up to 17 nodes is bitwise one-token decoding (session 49, docs/benchmarks.md), while DDTree's
+Triton kernels round differently, which is all it takes for bf16 greedy answers to leave plain decoding's (issue 3).
+So here each node is one query over the keys of its context and its path, named in place by a table of key slots
+over the KV cache viewed as one-token pages: no KV is copied. Opt-in (`VLLM_DDTREE_PER_PATH_ATTENTION=1`, FA3 and
+16-bit dtypes only): every node reads its whole context, so attention work grows with the number of nodes.
+
+Shapes are fixed by the tree buffers and the block table (CUDA graphs), and nothing here waits for the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_ddtree.attention.metadata import node_aliases
+from vllm_ddtree.env import env_choice
+
+PER_PATH_ENV = "VLLM_DDTREE_PER_PATH_ATTENTION"
+
+
+def per_path_requested() -> bool:
+    """`VLLM_DDTREE_PER_PATH_ATTENTION=1`: verify with FA3 per node where it applies (CUDA, FA3, 16-bit dtypes)."""
+    return env_choice(PER_PATH_ENV, ("0", "1"), "is not 0 or 1 (1: per-path FA3 tree verification)") == "1"
+
+
+def node_key_slots(
+    block_table: torch.Tensor,  # [T, max_blocks] int32
+    seq_lens: torch.Tensor,  # [T] context + nodes
+    num_nodes: torch.Tensor,  # [T] (0: a padding request)
+    node_mask: torch.Tensor,  # [T, N, N] node i may attend node j
+    page: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots [T * N, max_blocks * page] int32, lengths [T * N] int32): for every entry of the node grid (aliased as
+    in `node_aliases`), the KV slots of its keys in order, context positions 0..C-1 and then the positions C + j of
+    its path's nodes j (ancestors and itself, root first), and how many there are. Columns past the length repeat
+    valid slots (never read)."""
+    num_trees, width = node_mask.shape[0], node_mask.shape[1]
+    max_keys = block_table.shape[1] * page
+    device = node_mask.device
+    req, node = node_aliases(num_nodes, width)  # [T, N]
+    context = (seq_lens - num_nodes).to(torch.int64)[req]  # [T, N]
+    on_path = node_mask[req, node].bool() & (torch.arange(width, device=device) < num_nodes[req][..., None])
+    # on_path [T, N, N]: node j is on entry (t, i)'s path
+    rank = on_path.cumsum(-1) - 1  # [T, N, N] j's place along the path
+    positions = torch.arange(max_keys + 1, device=device).expand(num_trees, width, -1).clone()  # [T, N, K + 1]
+    column = torch.where(on_path, context[..., None] + rank, max_keys)  # off-path j: the spare column K
+    path_positions = context[..., None] + torch.arange(width, device=device)  # [T, N, N]
+    positions.scatter_(2, column, path_positions)
+    positions = positions[..., :max_keys].clamp(max=max_keys - 1)  # [T, N, K]
+    lengths = (context + on_path.sum(-1)).clamp(min=1)  # [T, N]; >= 1: padding entries read one valid key
+    blocks = block_table.to(torch.int64)[req[..., None], positions // page]  # [T, N, K]
+    slots = blocks * page + positions % page
+    return slots.view(num_trees * width, max_keys).to(torch.int32), lengths.view(-1).to(torch.int32)
+
+
+def one_token_pages(cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, page, H, D] -> [num_blocks * page, 1, H, D], the same memory (slot s is page s)."""
+    try:
+        return cache.view(cache.shape[0] * cache.shape[1], 1, *cache.shape[2:])
+    except RuntimeError as error:
+        raise NotImplementedError(
+            f"{PER_PATH_ENV}=1 needs a KV cache whose blocks are contiguous runs of slots (got strides "
+            f"{tuple(cache.stride())} for shape {tuple(cache.shape)}); unset it for this attention backend"
+        ) from error
+
+
+def per_path_attention_(query, keys, values, tree, scale: float, out: torch.Tensor, attend) -> None:
+    """Overwrite the tree rows of `out` [num_tokens, Hq, D]: each node one query over its context and path.
+    keys/values [num_blocks, page, Hkv, D]; `attend(q [R, Hq, D], keys, values, slots [R, K], lengths [R], scale)`
+    -> [R, Hq, D] is FA3 on CUDA (`fa3_attend`) or `reference_attend`."""
+    width, page = tree.node_mask.shape[1], keys.shape[1]
+    cached = getattr(tree, "per_path_slots", None)  # the step's first layer builds them, the others reuse them
+    if cached is None or cached[0] != page:
+        cached = (page, *node_key_slots(tree.block_table, tree.seq_lens, tree.num_nodes, tree.node_mask, page))
+        tree.per_path_slots = cached
+    _, slots, lengths = cached
+    req, node = node_aliases(tree.num_nodes, width)
+    rows = (tree.query_start.to(torch.int64)[req] + node).view(-1)  # [T * N] scheduled-token row of each entry
+    out[rows] = attend(query[rows], one_token_pages(keys), one_token_pages(values), slots, lengths, scale).to(out.dtype)
+
+
+def fa3_attend(query, keys, values, slots, lengths, scale: float) -> torch.Tensor:
+    """vLLM's FA3 with one query per sequence, one-token pages and `slots` as the block table."""
+    from vllm_ddtree.compat import flash_attn_varlen
+
+    num_seqs = query.shape[0]
+    cu_seqlens_q = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
+    return flash_attn_varlen()(
+        query, keys, values, max_seqlen_q=1, cu_seqlens_q=cu_seqlens_q, max_seqlen_k=slots.shape[1],
+        seqused_k=lengths, causal=True, block_table=slots, softmax_scale=scale, fa_version=3,
+    )  # fmt: skip
+
+
+def reference_attend(query, keys, values, slots, lengths, scale: float) -> torch.Tensor:
+    """`fa3_attend` in pure torch (float32): query r attends to keys slots[r, :lengths[r]]."""
+    from vllm_ddtree.attention.reference import masked_attention
+
+    out = []
+    for r in range(query.shape[0]):
+        chosen = slots[r, : int(lengths[r])].to(torch.int64)
+        mask = torch.ones((1, chosen.numel()), dtype=torch.bool, device=query.device)
+        out.append(masked_attention(query[r : r + 1], keys[chosen, 0], values[chosen, 0], mask, scale))
+    return torch.cat(out)
