@@ -44,14 +44,14 @@ def node_key_slots(
     on_path = node_mask[req, node].bool() & (torch.arange(width, device=device) < num_nodes[req][..., None])
     # on_path [T, N, N]: node j is on entry (t, i)'s path
     rank = on_path.cumsum(-1) - 1  # [T, N, N] j's place along the path
-    positions = torch.arange(max_keys + 1, device=device).expand(num_trees, width, -1).clone()  # [T, N, K + 1]
+    # int32 from here: [T, N, K] is the big one (under CUDA graphs K is the block table's width, max_model_len)
+    positions = torch.arange(max_keys + 1, dtype=torch.int32, device=device).expand(num_trees, width, -1).clone()
     column = torch.where(on_path, context[..., None] + rank, max_keys)  # off-path j: the spare column K
-    path_positions = context[..., None] + torch.arange(width, device=device)  # [T, N, N]
-    positions.scatter_(2, column, path_positions)
-    positions = positions[..., :max_keys].clamp(max=max_keys - 1)  # [T, N, K]
+    path_positions = (context[..., None] + torch.arange(width, device=device)).to(torch.int32)  # [T, N, N]
+    positions.scatter_(2, column, path_positions)  # [T, N, K + 1]
+    positions = positions[..., :max_keys].clamp_(max=max_keys - 1)  # [T, N, K]
     lengths = (context + on_path.sum(-1)).clamp(min=1)  # [T, N]; >= 1: padding entries read one valid key
-    blocks = block_table.to(torch.int64)[req[..., None], positions // page]  # [T, N, K]
-    slots = blocks * page + positions % page
+    slots = block_table[req[..., None], positions // page] * page + positions % page  # [T, N, K]
     return slots.view(num_trees * width, max_keys).to(torch.int32), lengths.view(-1).to(torch.int32)
 
 
