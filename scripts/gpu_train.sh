@@ -10,7 +10,8 @@
 # its layer count adds layers that start as the identity (DFlashDrafter.add_layers; the shipped drafter has 4 since
 # session 20, set NUM_LAYERS=4 to continue it as it is). RESPONSES=1 keeps the greedy answers only
 # (half the ~4.4 min of generation; session 17). TRAIN_S bounds the whole script (the conversion included): training
-# stops ~120 s before it (--time-limit-s) and saves the drafter, a held-out point and the report as at its last step,
+# stops FINAL_S (default 80; 105 until session 49, whose call used ~50) s before it (--time-limit-s, less 15 s to
+# pack) and saves the drafter, a held-out point and the report (its line `after the time limit: N s`) as at its last step,
 # so a call cut short still brings a drafter back. Generation past that limit stops between chunks of 4,096 answers
 # and the script ends with train rc=3: the answers so far stay in /tmp/smollm2-dflash, and the same command on the
 # same warm machine goes on from them (session 31: LATER_TURNS=1 EXTRA_ROUNDS=1 without carried answers needed more
@@ -50,6 +51,8 @@ python scripts/convert_smollm2.py --out /tmp/smollm2 > "$OUT/convert.log" 2>&1 |
 # Answers of an earlier session (SAVE_RESPONSES=1 below brought them back; kept here in .gpu/answers, carried): the
 # ~4.4 min of generation are skipped. train_drafter.py reads them by position, so PROMPTS and RESPONSES must match.
 mkdir -p /tmp/smollm2-dflash
+touch /tmp/gpu_train.began  # a drafter newer than this is this call's (a resumed call finds the last one's)
+rm -f /tmp/smollm2-dflash/report.json  # the last call's (a resumed call writes its own at the end)
 if [ ! -f /tmp/smollm2-dflash/responses.jsonl ]; then
   if [ -f .gpu/answers/answers.tar.xz ]; then  # answers + self-prompts
     xz -dc .gpu/answers/answers.tar.xz | tar -x -C /tmp/smollm2-dflash
@@ -77,11 +80,13 @@ timeout "$left" python scripts/train_drafter.py --target /tmp/smollm2 --out /tmp
   --block-size 16 --num-layers "${NUM_LAYERS:-2}" --num-prompts "${PROMPTS:-16000}" --generator "${GENERATOR:-vllm}" \
   --responses-per-prompt "${RESPONSES:-2}" --extra-answer-rounds "${EXTRA_ROUNDS:-0}" ${LATER_TURNS:+--later-turns} ${SELF_PROMPTS:+--self-prompts $SELF_PROMPTS} ${SELF_PROMPTS_FROM:+--self-prompts-from $SELF_PROMPTS_FROM} --greedy-first --temperature 0.7 \
   --gen-batch-size 256 --steps "${STEPS:-4000}" --lr "${LR:-1e-3}" --weight-decay 0.01 --eval-every 250 \
-  --batch-size 32 --loss-decay 7 --save-every 250 --time-limit-s "$(( left - 105 ))" ${GEN_GRAPHS:+--gen-cuda-graphs} ${GEN_ENGINES:+--gen-engines $GEN_ENGINES} $resume $anneal --profile-steps "${PROFILE_STEPS:-10}" ${COMPILE:+--compile} ${NO_FEATURE_STORE:+--no-feature-store} ${SOFT_LABELS:+--soft-labels $SOFT_LABELS} ${INIT_FROM:+--init-from "$INIT_FROM"} 2>&1 | tr '\r' '\n' | grep --line-buffered -v "^\s*$" | awk 'NR % 20 == 1 || /Error|error|warning|report|acceptance|heldout|generated|ready|self_prompts|time limit|stopped|feature store|profile|{/ {print; fflush()}' \
+  --batch-size 32 --loss-decay 7 --save-every 250 --time-limit-s "$(( left - ${FINAL_S:-80} ))" ${GEN_GRAPHS:+--gen-cuda-graphs} ${GEN_ENGINES:+--gen-engines $GEN_ENGINES} $resume $anneal --profile-steps "${PROFILE_STEPS:-10}" ${COMPILE:+--compile} ${NO_FEATURE_STORE:+--no-feature-store} ${SOFT_LABELS:+--soft-labels $SOFT_LABELS} ${INIT_FROM:+--init-from "$INIT_FROM"} 2>&1 | tr '\r' '\n' | grep --line-buffered -v "^\s*$" | awk 'NR % 20 == 1 || /Error|error|warning|report|acceptance|heldout|generated|ready|self_prompts|time limit|stopped|feature store|profile|{/ {print; fflush()}' \
   > "$OUT/train.log"
 echo "train rc=${PIPESTATUS[0]}"; tail -5 "$OUT/train.log"
-if [ -f /tmp/smollm2-dflash/report.json ]; then
-  cp /tmp/smollm2-dflash/report.json /tmp/smollm2-dflash/train_config.json "$OUT/"
+# The drafter comes back if this call saved one, even if the time bound cut the report after it (the simulated
+# acceptance runs last).
+if [ -n "$(find /tmp/smollm2-dflash/drafter -name model.safetensors -newer /tmp/gpu_train.began 2>/dev/null)" ]; then
+  cp /tmp/smollm2-dflash/report.json /tmp/smollm2-dflash/train_config.json "$OUT/" 2>/dev/null
   tar -C /tmp/smollm2-dflash -cJf - drafter | split -b 15M -d - "$OUT/drafter.tar.xz.part"
   ls -la "$OUT"
 fi

@@ -508,9 +508,10 @@ def test_phase_clock_times_one_step_in_every_n():
     assert not never.on and never.laps == {}
 
 
-def test_a_time_limit_ends_training_early_with_a_drafter_and_a_report(tmp_path, one_cpu_thread):
+def test_a_time_limit_ends_training_early_with_a_drafter_and_a_report(tmp_path, one_cpu_thread, capsys):
     """--time-limit-s (device calls with a hard bound): the loop stops once the time is spent, and the run still
-    saves the drafter, a held-out point at the last step and a report that says where it stopped."""
+    saves the drafter, a held-out point at the last step and a report that says where it stopped, then logs how
+    long all that took (what gpu_train.sh's FINAL_S must leave)."""
     from tests.tiny_models import make_tiny_target
     from vllm_ddtree.drafter.model import DFlashDrafter
     from vllm_ddtree.drafter.train import TrainConfig, train
@@ -526,6 +527,7 @@ def test_a_time_limit_ends_training_early_with_a_drafter_and_a_report(tmp_path, 
     assert "simulated_acceptance_length" in report
     assert report["final_lr"] == pytest.approx(cfg.lr)  # by steps, the cosine had barely begun at step 1 of 50
     assert DFlashDrafter.load(drafter, torch.device("cpu")).config.block_size == 4
+    assert "after the time limit: " in capsys.readouterr().out
 
 
 def test_a_run_its_time_limit_ends_is_annealed_with_anneal_at_time_limit(tmp_path, one_cpu_thread):

@@ -653,6 +653,7 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
     learning_rate.start(start)
     profiler = StepProfiler(device, start + PROFILE_AFTER, cfg.profile_steps, out / "profile.txt")
     done = start  # steps completed
+    stopped = None  # when the time limit ended training
     for step in bar:
         profiler.tick(step)
         clock.start(step)
@@ -687,6 +688,7 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
         if heldout_batch is not None and (done % cfg.eval_every == 0 or done == cfg.steps or out_of_time):
             heldout_point(done, loss)
         if out_of_time:
+            stopped = time.monotonic()
             bar.write(f"time limit {cfg.time_limit_s:.0f} s reached at step {done} of {cfg.steps}: saving")
             if cfg.save_every:  # a resumed run (the next device call) goes on from this step, not the last save
                 _save_checkpoint(out, done, drafter, optimizer, scheduler, rng, curve)
@@ -706,6 +708,9 @@ def train(cfg: TrainConfig, prompts=None, prompt_ids: list[list[int]] | None = N
         report["simulated_acceptance_length"] = simulate_acceptance(drafter, target, eval_seqs)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report))
+    if stopped is not None:  # what a time limit must leave for the end (scripts/gpu_train.sh's FINAL_S)
+        print(f"after the time limit: {time.monotonic() - stopped:.0f} s (checkpoint, drafter, held-out point, "
+              "simulated acceptance, report)", flush=True)
     return final
 
 
