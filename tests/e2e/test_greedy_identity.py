@@ -96,6 +96,19 @@ def test_backend_rows_option_keeps_greedy_output(models, baseline, greedy_params
     check_spec_metrics(result, budget, depth=block_size - 1)
 
 
+@pytest.mark.parametrize("block_size,budget", [(4, 17), (16, 7), (16, 64)])
+def test_per_path_option_keeps_greedy_output(models, baseline, greedy_params, block_size, budget, monkeypatch):
+    """VLLM_DDTREE_PER_PATH_ATTENTION=1: every node verified as one query over its context and its own path (on the
+    CPU through the pure-torch stand-in for FA3), inside the engine: still token-identical to plain vLLM, with
+    budgets above and below the block size."""
+    monkeypatch.setenv("VLLM_DDTREE_PER_PATH_ATTENTION", "1")
+    target, drafters = models
+    spec = {"method": "ddtree", "model": drafters[block_size], "num_speculative_tokens": budget}
+    result = run(target, spec, prompts(), greedy_params)
+    assert result.token_ids == baseline.token_ids
+    check_spec_metrics(result, budget, depth=block_size - 1)
+
+
 @pytest.mark.parametrize(
     "block_size,budget,switches",
     [(16, 15, {"tree_in_graph": False}), (4, 17, {"layout_in_graph": False}),

@@ -359,7 +359,7 @@ def test_per_path_fa3_matches_reference(b, budget, ctx, heads, padding):
     tree_attention_reference_(case.query, case.kv, case.tree, case.scale, ref)
     tree = as_persistent_layout(case.tree, padding) if padding else case.tree
     out = torch.full_like(case.query, float("nan"))
-    per_path_attention_(case.query, case.kv.keys, case.kv.values, tree, case.scale, out, fa3_attend)
+    per_path_attention_(case.query, case.kv, tree, case.scale, out, fa3_attend)
     rows = case.tree_rows
     assert torch.isfinite(out[rows]).all() and torch.isnan(out[~rows]).all()
     assert _relative_error(out[rows], ref[rows]) < TOLERANCE[torch.bfloat16]

@@ -59,12 +59,12 @@ def test_per_path_attention_is_tree_attention(num_trees, budget, context, page, 
     tree_attention_reference_(case.query, case.kv, case.tree, case.scale, expected)
     tree = as_persistent_layout(case.tree, padding) if padding else case.tree
     out = torch.full_like(case.query, float("nan"))  # poisoned: every tree row must be written, no other row
-    per_path_attention_(case.query, case.kv.keys, case.kv.values, tree, case.scale, out, reference_attend)
+    per_path_attention_(case.query, case.kv, tree, case.scale, out, reference_attend)
     rows = case.tree_rows
     assert torch.isnan(out[~rows]).all()
     torch.testing.assert_close(out[rows], expected[rows], rtol=1e-5, atol=1e-6)
     cached = tree.per_path_slots  # the next layer of the step reuses the slots
-    per_path_attention_(case.query, case.kv.keys, case.kv.values, tree, case.scale, out, reference_attend)
+    per_path_attention_(case.query, case.kv, tree, case.scale, out, reference_attend)
     assert tree.per_path_slots is cached
 
 
@@ -85,7 +85,10 @@ def test_the_switch_is_validated_and_applies_to_fa3_in_16_bit_only(monkeypatch):
     monkeypatch.delenv(PER_PATH_ENV, raising=False)
     assert not per_path_requested() and not _per_path_applies(fa3, bf16)
     monkeypatch.setenv(PER_PATH_ENV, "1")
-    assert _per_path_applies(fa3, bf16) and not _per_path_applies(fa3, fp32) and not _per_path_applies(other, bf16)
+    assert _per_path_applies(fa3, bf16) and _per_path_applies(other, fp32)  # on the CPU: the torch stand-in
+    if torch.cuda.is_available():
+        cuda = dict(device="cuda")
+        assert not _per_path_applies(fa3, fp32.to(**cuda)) and not _per_path_applies(other, bf16.to(**cuda))
     monkeypatch.setenv(PER_PATH_ENV, "yes")
     with pytest.raises(ValueError, match=f"{PER_PATH_ENV}='yes'"):
         per_path_requested()

@@ -83,13 +83,14 @@ def _split_attention_applies(impl, query: torch.Tensor, tree) -> bool:
 
 
 def _per_path_applies(impl, query: torch.Tensor) -> bool:
-    """`VLLM_DDTREE_PER_PATH_ATTENTION=1` with FlashAttention-3 and a 16-bit dtype (`attention/per_path.py`): every
-    node verified as one FA3 query over its context and path, rounding as plain decoding does."""
-    return (
-        per_path_requested()
-        and query.dtype in (torch.float16, torch.bfloat16)
-        and getattr(impl, "vllm_flash_attn_version", None) == 3
-    )
+    """`VLLM_DDTREE_PER_PATH_ATTENTION=1` (`attention/per_path.py`): on CUDA with FlashAttention-3 and a 16-bit
+    dtype, every node verified as one FA3 query over its context and path, rounding as plain decoding does; on the
+    CPU build through its pure-torch stand-in (slow: the way the engine tests check the path's wiring)."""
+    if not per_path_requested():
+        return False
+    if not query.is_cuda:
+        return True
+    return query.dtype in (torch.float16, torch.bfloat16) and getattr(impl, "vllm_flash_attn_version", None) == 3
 
 
 def split_tree_attention_(query, keys, values, tree, scale: float, out: torch.Tensor, launch=None) -> None:
@@ -114,10 +115,10 @@ def split_tree_attention_(query, keys, values, tree, scale: float, out: torch.Te
 def tree_attention_(impl, query: torch.Tensor, kv_cache: torch.Tensor, tree, out: torch.Tensor) -> None:
     """Overwrite the tree rows of `out` [num_tokens, Hq, D]: the Triton kernel on CUDA, else the reference."""
     kv = paged_kv_for(impl, kv_cache)
-    if query.is_cuda and _per_path_applies(impl, query):
-        from vllm_ddtree.attention.per_path import fa3_attend, per_path_attention_
+    if _per_path_applies(impl, query):
+        from vllm_ddtree.attention.per_path import fa3_attend, per_path_attention_, reference_attend
 
-        per_path_attention_(query, kv.keys, kv.values, tree, impl.scale, out, fa3_attend)
+        per_path_attention_(query, kv, tree, impl.scale, out, fa3_attend if query.is_cuda else reference_attend)
     elif query.is_cuda and _split_attention_applies(impl, query, tree):
         split_tree_attention_(query, kv.keys, kv.values, tree, impl.scale, out)
     elif query.is_cuda:

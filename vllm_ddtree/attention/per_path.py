@@ -16,6 +16,7 @@ import torch
 
 from vllm_ddtree.attention.metadata import node_aliases
 from vllm_ddtree.env import env_choice
+from vllm_ddtree.kv.paged import PagedKV
 
 PER_PATH_ENV = "VLLM_DDTREE_PER_PATH_ATTENTION"
 
@@ -66,11 +67,11 @@ def one_token_pages(cache: torch.Tensor) -> torch.Tensor:
         ) from error
 
 
-def per_path_attention_(query, keys, values, tree, scale: float, out: torch.Tensor, attend) -> None:
+def per_path_attention_(query, kv: PagedKV, tree, scale: float, out: torch.Tensor, attend) -> None:
     """Overwrite the tree rows of `out` [num_tokens, Hq, D]: each node one query over its context and path.
-    keys/values [num_blocks, page, Hkv, D]; `attend(q [R, Hq, D], keys, values, slots [R, K], lengths [R], scale)`
-    -> [R, Hq, D] is FA3 on CUDA (`fa3_attend`) or `reference_attend`."""
-    width, page = tree.node_mask.shape[1], keys.shape[1]
+    `attend(q [R, Hq, D], kv, slots [R, K], lengths [R], scale)` -> [R, Hq, D] is FA3 on CUDA (`fa3_attend`) or
+    `reference_attend` (the CPU build, and the tests)."""
+    width, page = tree.node_mask.shape[1], kv.block_size
     cached = getattr(tree, "per_path_slots", None)  # the step's first layer builds them, the others reuse them
     if cached is None or cached[0] != page:
         cached = (page, *node_key_slots(tree.block_table, tree.seq_lens, tree.num_nodes, tree.node_mask, page))
@@ -78,28 +79,29 @@ def per_path_attention_(query, keys, values, tree, scale: float, out: torch.Tens
     _, slots, lengths = cached
     req, node = node_aliases(tree.num_nodes, width)
     rows = (tree.query_start.to(torch.int64)[req] + node).view(-1)  # [T * N] scheduled-token row of each entry
-    out[rows] = attend(query[rows], one_token_pages(keys), one_token_pages(values), slots, lengths, scale).to(out.dtype)
+    out[rows] = attend(query[rows], kv, slots, lengths, scale).to(out.dtype)
 
 
-def fa3_attend(query, keys, values, slots, lengths, scale: float) -> torch.Tensor:
+def fa3_attend(query, kv: PagedKV, slots, lengths, scale: float) -> torch.Tensor:
     """vLLM's FA3 with one query per sequence, one-token pages and `slots` as the block table."""
     from vllm_ddtree.compat import flash_attn_varlen
 
     num_seqs = query.shape[0]
     cu_seqlens_q = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
     return flash_attn_varlen()(
-        query, keys, values, max_seqlen_q=1, cu_seqlens_q=cu_seqlens_q, max_seqlen_k=slots.shape[1],
-        seqused_k=lengths, causal=True, block_table=slots, softmax_scale=scale, fa_version=3,
+        query, one_token_pages(kv.keys), one_token_pages(kv.values), max_seqlen_q=1, cu_seqlens_q=cu_seqlens_q,
+        max_seqlen_k=slots.shape[1], seqused_k=lengths, causal=True, block_table=slots, softmax_scale=scale,
+        fa_version=3,
     )  # fmt: skip
 
 
-def reference_attend(query, keys, values, slots, lengths, scale: float) -> torch.Tensor:
-    """`fa3_attend` in pure torch (float32): query r attends to keys slots[r, :lengths[r]]."""
+def reference_attend(query, kv: PagedKV, slots, lengths, scale: float) -> torch.Tensor:
+    """`fa3_attend` in pure torch (float32), any KV layout: query r attends to keys slots[r, :lengths[r]]."""
     from vllm_ddtree.attention.reference import masked_attention
 
     out = []
     for r in range(query.shape[0]):
-        chosen = slots[r, : int(lengths[r])].to(torch.int64)
-        mask = torch.ones((1, chosen.numel()), dtype=torch.bool, device=query.device)
-        out.append(masked_attention(query[r : r + 1], keys[chosen, 0], values[chosen, 0], mask, scale))
+        keys, values = kv.read(slots[r, : int(lengths[r])].to(torch.int64))  # [n, Hkv, D]
+        mask = torch.ones((1, keys.shape[0]), dtype=torch.bool, device=query.device)
+        out.append(masked_attention(query[r : r + 1], keys, values, mask, scale))
     return torch.cat(out)
