@@ -12,10 +12,12 @@ import torch
 from tests.gpu.cases import as_persistent_layout, make_case
 from vllm_ddtree.attention.per_path import (
     PER_PATH_ENV,
+    SPLITS_ENV,
     node_key_slots,
     one_token_pages,
     per_path_attention_,
     per_path_requested,
+    per_path_splits,
     reference_attend,
 )
 from vllm_ddtree.attention.reference import tree_attention_reference_
@@ -92,3 +94,10 @@ def test_the_switch_is_validated_and_applies_to_fa3_in_16_bit_only(monkeypatch):
     monkeypatch.setenv(PER_PATH_ENV, "yes")
     with pytest.raises(ValueError, match=f"{PER_PATH_ENV}='yes'"):
         per_path_requested()
+    monkeypatch.delenv(SPLITS_ENV, raising=False)
+    assert per_path_splits() == 0
+    monkeypatch.setenv(SPLITS_ENV, "4")
+    assert per_path_splits() == 4
+    monkeypatch.setenv(SPLITS_ENV, "-1")
+    with pytest.raises(ValueError, match=f"{SPLITS_ENV}='-1'"):
+        per_path_splits()

@@ -12,6 +12,8 @@ Shapes are fixed by the tree buffers and the block table (CUDA graphs), and noth
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from vllm_ddtree.attention.metadata import node_aliases
@@ -19,6 +21,7 @@ from vllm_ddtree.env import env_choice
 from vllm_ddtree.kv.paged import PagedKV
 
 PER_PATH_ENV = "VLLM_DDTREE_PER_PATH_ATTENTION"
+SPLITS_ENV = "VLLM_DDTREE_PER_PATH_SPLITS"
 
 
 def per_path_requested() -> bool:
@@ -83,7 +86,9 @@ def per_path_attention_(query, kv: PagedKV, tree, scale: float, out: torch.Tenso
 
 
 def fa3_attend(query, kv: PagedKV, slots, lengths, scale: float) -> torch.Tensor:
-    """vLLM's FA3 with one query per sequence, one-token pages and `slots` as the block table."""
+    """vLLM's FA3 with one query per sequence, one-token pages and `slots` as the block table. FA3 splits each
+    sequence's keys among thread blocks by a heuristic over the whole batch, and the split changes the rounding:
+    `VLLM_DDTREE_PER_PATH_SPLITS=n` fixes it (0, the default: FA3's choice), to match what decoding uses."""
     from vllm_ddtree.compat import flash_attn_varlen
 
     num_seqs = query.shape[0]
@@ -91,8 +96,15 @@ def fa3_attend(query, kv: PagedKV, slots, lengths, scale: float) -> torch.Tensor
     return flash_attn_varlen()(
         query, one_token_pages(kv.keys), one_token_pages(kv.values), max_seqlen_q=1, cu_seqlens_q=cu_seqlens_q,
         max_seqlen_k=slots.shape[1], seqused_k=lengths, causal=True, block_table=slots, softmax_scale=scale,
-        fa_version=3,
+        fa_version=3, num_splits=per_path_splits(),
     )  # fmt: skip
+
+
+def per_path_splits() -> int:
+    value = os.environ.get(SPLITS_ENV, "0").strip() or "0"
+    if not value.isdigit():
+        raise ValueError(f"{SPLITS_ENV}={value!r} is not a whole number >= 0 (0: FlashAttention-3 chooses)")
+    return int(value)
 
 
 def reference_attend(query, kv: PagedKV, slots, lengths, scale: float) -> torch.Tensor:
