@@ -84,24 +84,21 @@ def test_greedy_with_penalties_identical_to_no_speculation(models, baseline):
     check_spec_metrics(result, 7, depth=3)
 
 
-@pytest.mark.parametrize("block_size,budget", [(4, 17), (16, 31)])
-def test_backend_rows_option_keeps_greedy_output(models, baseline, greedy_params, block_size, budget, monkeypatch):
-    """VLLM_DDTREE_BACKEND_ROWS=1 (experimental): rows whose ancestors are the nodes before them keep the attention
-    backend's causal output, the others the tree attention's; still token-identical to plain vLLM."""
-    monkeypatch.setenv("VLLM_DDTREE_BACKEND_ROWS", "1")
-    target, drafters = models
-    spec = {"method": "ddtree", "model": drafters[block_size], "num_speculative_tokens": budget}
-    result = run(target, spec, prompts(), greedy_params)
-    assert result.token_ids == baseline.token_ids
-    check_spec_metrics(result, budget, depth=block_size - 1)
+ATTENTION_SWITCHES = [
+    # Rows whose ancestors are the nodes before them keep the attention backend's causal output, the others the
+    # tree attention's (experimental).
+    ("VLLM_DDTREE_BACKEND_ROWS", 4, 17), ("VLLM_DDTREE_BACKEND_ROWS", 16, 31),
+    # Every node verified as one query over its context and its own path (on the CPU through the pure-torch
+    # stand-in for FA3), with budgets above and below the block size.
+    ("VLLM_DDTREE_PER_PATH_ATTENTION", 4, 17), ("VLLM_DDTREE_PER_PATH_ATTENTION", 16, 7),
+    ("VLLM_DDTREE_PER_PATH_ATTENTION", 16, 64),
+]
 
 
-@pytest.mark.parametrize("block_size,budget", [(4, 17), (16, 7), (16, 64)])
-def test_per_path_option_keeps_greedy_output(models, baseline, greedy_params, block_size, budget, monkeypatch):
-    """VLLM_DDTREE_PER_PATH_ATTENTION=1: every node verified as one query over its context and its own path (on the
-    CPU through the pure-torch stand-in for FA3), inside the engine: still token-identical to plain vLLM, with
-    budgets above and below the block size."""
-    monkeypatch.setenv("VLLM_DDTREE_PER_PATH_ATTENTION", "1")
+@pytest.mark.parametrize("switch,block_size,budget", ATTENTION_SWITCHES)
+def test_attention_switches_keep_greedy_output(models, baseline, greedy_params, switch, block_size, budget, monkeypatch):
+    """Each experimental attention switch (=1) inside the engine: still token-identical to plain vLLM."""
+    monkeypatch.setenv(switch, "1")
     target, drafters = models
     spec = {"method": "ddtree", "model": drafters[block_size], "num_speculative_tokens": budget}
     result = run(target, spec, prompts(), greedy_params)
