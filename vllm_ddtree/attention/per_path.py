@@ -72,8 +72,8 @@ def one_token_pages(cache: torch.Tensor) -> torch.Tensor:
 
 def per_path_attention_(query, kv: PagedKV, tree, scale: float, out: torch.Tensor, attend) -> None:
     """Overwrite the tree rows of `out` [num_tokens, Hq, D]: each node one query over its context and path.
-    `attend(q [R, Hq, D], kv, slots [R, K], lengths [R], scale)` -> [R, Hq, D] is FA3 on CUDA (`fa3_attend`) or
-    `reference_attend` (the CPU build, and the tests)."""
+    `attend(q [R, Hq, D], kv, slots [R, K], lengths [R], scale, max_len)` -> [R, Hq, D] is FA3 on CUDA (`fa3_attend`)
+    or `reference_attend` (the CPU build, and the tests); `max_len` is the step's longest sequence (host)."""
     width, page = tree.node_mask.shape[1], kv.block_size
     # Eager steps build the slots at their first layer and the others reuse them. Under CUDA-graph capture every
     # layer builds its own: a graph must contain the build (a cached tensor from an eager warm-up run, or from
@@ -87,20 +87,21 @@ def per_path_attention_(query, kv: PagedKV, tree, scale: float, out: torch.Tenso
     _, slots, lengths = cached
     req, node = node_aliases(tree.num_nodes, width)
     rows = (tree.query_start.to(torch.int64)[req] + node).view(-1)  # [T * N] scheduled-token row of each entry
-    out[rows] = attend(query[rows], kv, slots, lengths, scale).to(out.dtype)
+    out[rows] = attend(query[rows], kv, slots, lengths, scale, tree.max_seq_len).to(out.dtype)
 
 
-def fa3_attend(query, kv: PagedKV, slots, lengths, scale: float) -> torch.Tensor:
+def fa3_attend(query, kv: PagedKV, slots, lengths, scale: float, max_len: int) -> torch.Tensor:
     """vLLM's FA3 with one query per sequence, one-token pages and `slots` as the block table. FA3 splits each
-    sequence's keys among thread blocks by a heuristic over the whole batch, and the split changes the rounding:
-    `VLLM_DDTREE_PER_PATH_SPLITS=n` fixes it (0, the default: FA3's choice), to match what decoding uses."""
+    sequence's keys among thread blocks by a heuristic over the whole batch and `max_len` (the backend's own calls
+    pass the step's longest sequence too), and the split changes the rounding: `VLLM_DDTREE_PER_PATH_SPLITS=n`
+    fixes it (0, the default: FA3's choice), to match what decoding uses."""
     from vllm_ddtree.compat import flash_attn_varlen
 
     num_seqs = query.shape[0]
     cu_seqlens_q = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
     return flash_attn_varlen()(
         query, one_token_pages(kv.keys), one_token_pages(kv.values), max_seqlen_q=1, cu_seqlens_q=cu_seqlens_q,
-        max_seqlen_k=slots.shape[1], seqused_k=lengths, causal=True, block_table=slots, softmax_scale=scale,
+        max_seqlen_k=max_len, seqused_k=lengths, causal=True, block_table=slots, softmax_scale=scale,
         fa_version=3, num_splits=per_path_splits(),
     )  # fmt: skip
 
@@ -112,7 +113,7 @@ def per_path_splits() -> int:
     return int(value)
 
 
-def reference_attend(query, kv: PagedKV, slots, lengths, scale: float) -> torch.Tensor:
+def reference_attend(query, kv: PagedKV, slots, lengths, scale: float, max_len: int = 0) -> torch.Tensor:
     """`fa3_attend` in pure torch (float32), any KV layout: query r attends to keys slots[r, :lengths[r]]."""
     from vllm_ddtree.attention.reference import masked_attention
 
