@@ -134,8 +134,10 @@ def test_sample_blocks_labels_follow_the_sequence():
 
 def _sample_blocks_loop(seqs, block_size, anchors_per_seq, mask_token_id, pad_id, rng):
     """The first `sample_blocks`, one small tensor per anchor: the oracle of the vectorized one."""
+    from vllm_ddtree.drafter.features import padded_length
+
     B, S, A = len(seqs), block_size, anchors_per_seq
-    T = max(len(s.ids) for s in seqs)
+    T = padded_length(max(len(s.ids) for s in seqs))  # batches are padded to a few lengths (cuDNN plans)
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
     anchors = torch.zeros((B, A), dtype=torch.long)
     labels = torch.full((B, A, S - 1), IGNORE, dtype=torch.long)
@@ -180,6 +182,27 @@ def test_loss_decreases_on_a_toy_batch():
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_padding_the_context_to_a_multiple_changes_no_output():
+    """Batches are padded to multiples of LENGTH_MULTIPLE (few shapes, few cuDNN plans): a block's hidden states
+    are the same with its context cut at its anchor, at the sequence's end, or padded past both."""
+    from vllm_ddtree.drafter.features import padded_length
+
+    drafter = tiny_drafter(seed=3).eval()
+    length, anchor = 70, 45
+    features = torch.randn(1, padded_length(length), drafter.config.fc_input_size)
+    features[:, length:] = 1e4  # padding rows: whatever they hold must not matter
+    block = torch.full((1, 1, drafter.config.block_size), MASK)
+    block[0, 0, 0] = 7
+    anchors = torch.tensor([[anchor]])
+    with torch.no_grad():
+        at_anchor = drafter(block, anchors, features[:, :anchor])
+        at_end = drafter(block, anchors, features[:, :length], torch.tensor([length]))
+        padded = drafter(block, anchors, features, torch.tensor([length]))
+    torch.testing.assert_close(at_end, at_anchor, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(padded, at_anchor, rtol=1e-5, atol=1e-6)
+    assert padded_length(64) == 64 and padded_length(65) == 128 and padded_length(1) == 64
 
 
 def test_block_loss_is_the_weighted_cross_entropy_of_the_full_logits():
@@ -794,11 +817,12 @@ def test_the_store_paces_its_build_by_batch_cost_with_attention(tmp_path, one_cp
             super().step(units)
 
     monkeypatch.setattr(features, "_Pace", RecordingPace)
-    sequences = [[5] * 40, [6] * 7, [7] * 12, [8] * 3]
-    FeatureStore.build(model, sequences, [0, 2], pad_id=0, tokens_per_batch=40)  # batches: [40], [12, 7, 3]
+    sequences = [[5] * 100, [6] * 7, [7] * 12, [8] * 3]
+    # batches [100] and [12, 7, 3], padded to lengths 128 and 64 (multiples of 64: few shapes, few cuDNN plans)
+    FeatureStore.build(model, sequences, [0, 2], pad_id=0, tokens_per_batch=200)
     length = attention_length(model)
-    assert recorded == pytest.approx([batch_cost(1, 40, length) + batch_cost(3, 12, length),
-                                      batch_cost(1, 40, length), batch_cost(3, 12, length)])  # fmt: skip
+    assert recorded == pytest.approx([batch_cost(1, 128, length) + batch_cost(3, 64, length),
+                                      batch_cost(1, 128, length), batch_cost(3, 64, length)])  # fmt: skip
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -64,6 +64,18 @@ def target_features(model, input_ids: torch.Tensor, seq_lens: torch.Tensor, laye
     return target_outputs(model, input_ids, seq_lens, layer_ids).features
 
 
+LENGTH_MULTIPLE = 64  # padded batch lengths: a multiple of this
+
+
+def padded_length(length: int) -> int:
+    """``length`` rounded up to a multiple of LENGTH_MULTIPLE: the length of every padded batch of answers (the
+    store's, the training steps', the simulation's drafter contexts). On an H100 torch's SDPA runs cuDNN, which
+    builds an execution plan for every new shape: ~80 ms of host time each (session 49's profile: 2.4 of 3.8 s of
+    host time over 10 steps whose lengths were all new), which a handful of lengths turns into a few plans a run.
+    The padding changes nothing: padded keys are masked (past a sequence's length, and past a block's anchor)."""
+    return -(-length // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
+
+
 PROJECT_AFTER = 0.05  # FeatureStore.build projects its end once this share of its work is done (the first
 # batches include the kernels' warm-up)
 
@@ -121,17 +133,17 @@ class FeatureStore:
         order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
         batches, batch = [], []
         for i in order:  # longest first: a batch's padded length is its first sequence's
-            if batch and (len(batch) + 1) * len(sequences[batch[0]]) > tokens_per_batch:
+            if batch and (len(batch) + 1) * padded_length(len(sequences[batch[0]])) > tokens_per_batch:
                 batches.append(batch)
                 batch = []
             batch.append(i)
         batches += [batch] if batch else []
         attention_len = attention_length(model)
-        pace = _Pace(sum(batch_cost(len(b), len(sequences[b[0]]), attention_len) for b in batches))
+        pace = _Pace(sum(batch_cost(len(b), padded_length(len(sequences[b[0]])), attention_len) for b in batches))
         seconds = {"target": 0.0, "rows": 0.0}  # the target's forwards, and writing their rows into the store
         clock = time.perf_counter()
         for batch in tqdm(batches, desc="target features", unit="batch", mininterval=10):
-            T = len(sequences[batch[0]])
+            T = padded_length(len(sequences[batch[0]]))
             end = pace.projected_end()
             if deadline is not None and (time.monotonic() > deadline or end is not None and end > deadline):
                 print(f"feature store: stopped at {pace.share_done():.0%}: at its pace it would end past its "

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_ddtree.drafter.features import target_features
+from vllm_ddtree.drafter.features import padded_length, target_features
 from vllm_ddtree.tree import build_draft_tree
 
 # accepted(block_logits [S - 1, V] for offsets 1..S-1, root token, the answer's next S - 1 tokens) -> accepted count
@@ -79,14 +79,17 @@ def simulate_draft_counts(drafter, target, seqs, policies: dict[str, Policy]) ->
         if len(seq.response) < 2:
             continue
         ids = torch.tensor([seq.ids], device=device)
-        features = target_features(target, ids, torch.tensor([ids.shape[1]], device=device), layer_ids)
+        features = target_features(target, ids, torch.tensor([ids.shape[1]], device=device), layer_ids)  # [1, L, F]
+        # Contexts cut at padded lengths (positions from the anchor on are masked): a few shapes, not one a position
+        tail = padded_length(ids.shape[1]) - ids.shape[1]
+        features = torch.cat([features, features[:, -1:].expand(-1, tail, -1)], dim=1)
         blocks: dict[int, torch.Tensor] = {}
 
         def block_logits(pos: int) -> torch.Tensor:  # [S - 1, V] float32, offsets 1..S-1 after position pos
             if pos not in blocks:
                 block = torch.full((1, 1, S), drafter.config.mask_token_id, device=device)
                 block[0, 0, 0] = ids[0, pos]
-                hidden = drafter(block, torch.tensor([[pos]], device=device), features[:, :pos])
+                hidden = drafter(block, torch.tensor([[pos]], device=device), features[:, : padded_length(pos)])
                 blocks[pos] = drafter.logits(hidden[0, 0, 1:]).float().cpu()
             return blocks[pos]
 

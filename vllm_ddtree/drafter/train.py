@@ -26,7 +26,14 @@ from pathlib import Path
 
 import torch
 
-from vllm_ddtree.drafter.features import FeatureStore, TargetOutputs, store_budget, target_features, target_outputs
+from vllm_ddtree.drafter.features import (
+    FeatureStore,
+    TargetOutputs,
+    padded_length,
+    store_budget,
+    target_features,
+    target_outputs,
+)
 from vllm_ddtree.drafter.generate import VllmGenerator, generate_responses, past
 from vllm_ddtree.drafter.lm_head_loss import lm_head_cross_entropy
 from vllm_ddtree.drafter.model import DFlashDrafter, DrafterConfig
@@ -253,7 +260,7 @@ def sample_blocks(
     Labels are one gather from the padded sequences (the training loop's host work per step; it was ~1,000 small
     tensors per batch)."""
     B, S, A = len(seqs), block_size, anchors_per_seq
-    T = max(len(s.ids) for s in seqs)
+    T = padded_length(max(len(s.ids) for s in seqs))  # few distinct lengths: few cuDNN attention plans
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
     anchors = torch.zeros((B, A), dtype=torch.long)
     has_anchor = torch.zeros((B, A), dtype=torch.bool)
