@@ -42,6 +42,7 @@ def errors(out: torch.Tensor, reference: torch.Tensor) -> dict:
 
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16  # SmolLM2-135M's attention, vLLM's page
+CHAINS = 8  # sequences in the batched-chain variant (about the chains of a B = 16 tree)
 
 
 def chain_inputs(context: int, width: int, q_scale: float, dtype: torch.dtype, seed: int):
@@ -128,6 +129,14 @@ def decode_agreement(context: int, width: int, q_scale: float, seed: int) -> dic
 
     decoded = torch.cat([fa3_causal(q[i: i + 1], context + i + 1) for i in range(width)])  # [W, Hq, D]
     outputs = {"fa3_chain": fa3_causal(q, total)}
+    # The chain as one of CHAINS sequences in one call (the tree split into chains, each verified by FA3 with its
+    # own queries, docs/bf16-drift.md): does the batch change how FA3 splits the keys, and so the rounding?
+    copies = CHAINS
+    outputs["fa3_chain_batched"] = fa3(
+        q.repeat(copies, 1, 1), keys, values, max_seqlen_q=width,
+        cu_seqlens_q=torch.arange(0, (copies + 1) * width, width, dtype=torch.int32, device=DEVICE),
+        max_seqlen_k=total, seqused_k=torch.full((copies,), total, dtype=torch.int32, device=DEVICE), causal=True,
+        block_table=block_table.expand(copies, -1).contiguous(), softmax_scale=scale, fa_version=3)[:width]
     # Does FA3 keep decoding's rounding for a batch of W sequences (it splits a sequence's keys among thread
     # blocks by a heuristic over the whole batch: more sequences, fewer splits)?
     outputs["fa3_per_node"] = per_node(keys, values, block_table.expand(width, -1).contiguous())
@@ -177,8 +186,8 @@ def main() -> None:
     if args.against_decode:
         rows = [decode_agreement(c, w, qs, seed=i) for i, (c, w, qs) in enumerate(
             (c, w, qs) for c in args.contexts for w in args.widths for qs in (1.0, 4.0))]  # fmt: skip
-        names = ("fa3_chain", "fa3_per_node", "fa3_per_node_page1", "decode_one_split", "fa3_per_node_one_split",
-                 "triton_one_pass", "split")
+        names = ("fa3_chain", "fa3_chain_batched", "fa3_per_node", "fa3_per_node_page1", "decode_one_split",
+                 "fa3_per_node_one_split", "triton_one_pass", "split")
         columns = " | ".join(f"{n}: equal elements / rows, mean diff" for n in names)
         print(f"| context | nodes | q scale | {columns} |")
         print("| --- | --- | --- |" + " --- |" * len(names))
