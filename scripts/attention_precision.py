@@ -131,15 +131,15 @@ def decode_agreement(context: int, width: int, q_scale: float, seed: int) -> dic
     outputs = {"fa3_chain": fa3_causal(q, total)}
     # The chain as one of CHAINS sequences in one call (the tree split into chains, each verified by FA3 with its
     # own queries, docs/bf16-drift.md): does the batch change how FA3 splits the keys, and so the rounding?
-    copies = CHAINS
     outputs["fa3_chain_batched"] = fa3(
-        q.repeat(copies, 1, 1), keys, values, max_seqlen_q=width,
-        cu_seqlens_q=torch.arange(0, (copies + 1) * width, width, dtype=torch.int32, device=DEVICE),
-        max_seqlen_k=total, seqused_k=torch.full((copies,), total, dtype=torch.int32, device=DEVICE), causal=True,
-        block_table=block_table.expand(copies, -1).contiguous(), softmax_scale=scale, fa_version=3)[:width]
+        q.repeat(CHAINS, 1, 1), keys, values, max_seqlen_q=width,
+        cu_seqlens_q=torch.arange(0, (CHAINS + 1) * width, width, dtype=torch.int32, device=DEVICE),
+        max_seqlen_k=total, seqused_k=torch.full((CHAINS,), total, dtype=torch.int32, device=DEVICE), causal=True,
+        block_table=block_table.expand(CHAINS, -1).contiguous(), softmax_scale=scale, fa_version=3)[:width]
     # Does FA3 keep decoding's rounding for a batch of W sequences (it splits a sequence's keys among thread
     # blocks by a heuristic over the whole batch: more sequences, fewer splits)?
-    outputs["fa3_per_node"] = per_node(keys, values, block_table.expand(width, -1).contiguous())
+    node_table = block_table.expand(width, -1).contiguous()  # [W, blocks] every node's sequence: the chain's blocks
+    outputs["fa3_per_node"] = per_node(keys, values, node_table)
     # The same through one-token pages: the cache viewed as [blocks * PAGE, 1, Hkv, D] and a table of key slots per
     # node, which names a tree node's context and ancestors in place (no copies), as `attention/per_path.py` does.
     slots = (block_table[0, :, None] * PAGE + torch.arange(PAGE, device=DEVICE)).flatten()[:total]  # [context + W]
@@ -156,8 +156,7 @@ def decode_agreement(context: int, width: int, q_scale: float, seed: int) -> dic
     # One split each: whether decoding split its keys here at all, and whether the per-node batch then agrees.
     attempt("decode_one_split", lambda: torch.cat([fa3_causal(q[i: i + 1], context + i + 1, num_splits=1)
                                                    for i in range(width)]))  # fmt: skip
-    attempt("fa3_per_node_one_split", lambda: per_node(keys, values, block_table.expand(width, -1).contiguous(),
-                                                       num_splits=1))  # fmt: skip
+    attempt("fa3_per_node_one_split", lambda: per_node(keys, values, node_table, num_splits=1))
     mask = torch.tril(torch.ones(width, width, dtype=torch.uint8, device=DEVICE))[None]
     one_pass = torch.full_like(q, float("nan"))
     tree_attention_triton_(q, keys, values, block_table, i64(0), i64(total), i64(width), mask, total, scale, one_pass)

@@ -7,7 +7,7 @@ import os
 import torch
 
 from vllm_ddtree.attention.metadata import ATTRIBUTE as TREE_METADATA
-from vllm_ddtree.attention.per_path import per_path_requested
+from vllm_ddtree.attention.per_path import fa3_attend, per_path_attention_, per_path_requested, reference_attend
 from vllm_ddtree.attention.reference import tree_attention_reference_
 from vllm_ddtree.kv.paged import paged_kv_for
 
@@ -116,8 +116,6 @@ def tree_attention_(impl, query: torch.Tensor, kv_cache: torch.Tensor, tree, out
     """Overwrite the tree rows of `out` [num_tokens, Hq, D]: the Triton kernel on CUDA, else the reference."""
     kv = paged_kv_for(impl, kv_cache)
     if _per_path_applies(impl, query):
-        from vllm_ddtree.attention.per_path import fa3_attend, per_path_attention_, reference_attend
-
         per_path_attention_(query, kv, tree, impl.scale, out, fa3_attend if query.is_cuda else reference_attend)
     elif query.is_cuda and _split_attention_applies(impl, query, tree):
         split_tree_attention_(query, kv.keys, kv.values, tree, impl.scale, out)

@@ -75,18 +75,18 @@ def per_path_attention_(query, kv: PagedKV, tree, scale: float, out: torch.Tenso
     `attend(q [R, Hq, D], kv, slots [R, K], lengths [R], scale, max_len)` -> [R, Hq, D] is FA3 on CUDA (`fa3_attend`)
     or `reference_attend` (the CPU build, and the tests); `max_len` is the step's longest sequence (host)."""
     width, page = tree.node_mask.shape[1], kv.block_size
-    # Eager steps build the slots at their first layer and the others reuse them. Under CUDA-graph capture every
+    # Eager steps build the rows and slots at their first layer and the others reuse them. Under CUDA-graph capture every
     # layer builds its own: a graph must contain the build (a cached tensor from an eager warm-up run, or from
     # another graph, would never be rewritten when this graph replays).
     capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
     cached = None if capturing else getattr(tree, "per_path_slots", None)
     if cached is None or cached[0] != page:
-        cached = (page, *node_key_slots(tree.block_table, tree.seq_lens, tree.num_nodes, tree.node_mask, page))
+        req, node = node_aliases(tree.num_nodes, width)
+        rows = (tree.query_start.to(torch.int64)[req] + node).view(-1)  # [T * N] scheduled-token row of each entry
+        cached = (page, rows, *node_key_slots(tree.block_table, tree.seq_lens, tree.num_nodes, tree.node_mask, page))
         if not capturing:
             tree.per_path_slots = cached
-    _, slots, lengths = cached
-    req, node = node_aliases(tree.num_nodes, width)
-    rows = (tree.query_start.to(torch.int64)[req] + node).view(-1)  # [T * N] scheduled-token row of each entry
+    _, rows, slots, lengths = cached
     out[rows] = attend(query[rows], kv, slots, lengths, scale, tree.max_seq_len).to(out.dtype)
 
 
