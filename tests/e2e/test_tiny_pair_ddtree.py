@@ -182,6 +182,40 @@ def test_preempted_requests_keep_greedy_output(prompts):
     assert tree.acceptance_length > 1.2, tree.metrics
 
 
+def test_requests_aborted_mid_answer(prompts, baseline):
+    """Every other request is aborted between two steps, partway into its answer (a client that went away, without
+    the API server's timing): the others' answers stay token-identical to vLLM without speculation, the aborted
+    ones' partial answers are prefixes of theirs, and nothing of the aborted requests is left behind (the engine
+    answers every prompt again as before, with its KV cache all free)."""
+    from tests.e2e.engine import generate, metric
+
+    llm = make_llm(TARGET, ddtree(2 * BLOCK_SIZE + 1), **ENGINE)
+    try:
+        engine = llm.llm_engine
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": p}, greedy(96))
+        answers, steps = {}, 0
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                answers[int(output.request_id)] = list(output.outputs[0].token_ids)
+            steps += 1
+            if steps == 3:
+                aborted = [i for i in range(1, len(prompts), 2) if len(answers.get(i, [])) < len(baseline.token_ids[i])]
+                engine.abort_request([str(i) for i in aborted])
+        again = generate(llm, prompts, greedy(96))
+        kv_usage = metric(llm, "vllm:kv_cache_usage_perc")
+    finally:
+        shutdown_llm(llm)
+    assert len(aborted) >= 3, "the aborts should catch requests mid-answer"
+    for i, expected in enumerate(baseline.token_ids):
+        if i in aborted:
+            assert 0 < len(answers[i]) < len(expected) and answers[i] == expected[: len(answers[i])], i
+        else:
+            assert answers[i] == expected, i
+    assert again.token_ids == baseline.token_ids
+    assert kv_usage == 0.0
+
+
 def test_chunked_prefill_and_prefix_cache_keep_greedy_output():
     """Eight ~410-token prompts sharing a ~386-token prefix, 128 batched tokens a step (vLLM 0.26 keeps 4 x 17 of
     them for the drafter's query slots, 0.32 none) and 4 requests: the prompts prefill in chunks in the same steps

@@ -199,7 +199,6 @@ async def _disconnect_mid_stream(client, prompt: str, chunks: int) -> int:
 
 
 def test_client_disconnects_mid_stream(ddtree_server, plain_server, make_async_client):
-    generated_before = ddtree_server.settle()["vllm:generation_tokens_total"]
     items = [(i, prompts()[i]) for i in range(8)]
 
     async def scenario():
@@ -215,10 +214,10 @@ def test_client_disconnects_mid_stream(ddtree_server, plain_server, make_async_c
     metrics = ddtree_server.settle()
     assert metrics["vllm:num_requests_running"] == 0
     assert metrics["vllm:kv_cache_usage_perc"] == 0.0
-    # The 6 abandoned requests asked for 400 tokens each (ignore_eos) and were stopped before: together with the
-    # staying requests' 212 tokens at most, fewer than all 2,400 of theirs. How far they got hangs on how soon the
-    # API server sees the disconnect: ~190 tokens each on a 2-core machine running other tests too (session 22).
-    assert metrics["vllm:generation_tokens_total"] - generated_before < 6 * 400
+    # How far the 6 abandoned requests get hangs on how soon the API server sees the disconnect: from ~190 tokens
+    # each to all 400 of them (probed in session 50: all six ran to completion in one CI run, five in another run
+    # here), so their token count is not asserted. tests/e2e/test_tiny_pair_ddtree.py aborts requests mid-answer
+    # between engine steps, without that timing.
     assert ddtree_server.healthy()
 
 
