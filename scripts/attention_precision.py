@@ -157,6 +157,14 @@ def decode_agreement(context: int, width: int, q_scale: float, seed: int) -> dic
     attempt("decode_one_split", lambda: torch.cat([fa3_causal(q[i: i + 1], context + i + 1, num_splits=1)
                                                    for i in range(width)]))  # fmt: skip
     attempt("fa3_per_node_one_split", lambda: per_node(keys, values, node_table, num_splits=1))
+    # One call per node (VLLM_DDTREE_PER_PATH_ATTENTION=decode at batch 1): node i alone, as decoding, but with the
+    # tree's longest sequence as max_seqlen_k (the step's, which the engine passes) instead of its own length.
+    def node_calls() -> torch.Tensor:
+        return torch.cat([fa3(q[i: i + 1], keys, values, max_seqlen_q=1, cu_seqlens_q=i32(0, 1), max_seqlen_k=total,
+                              seqused_k=i32(context + i + 1), causal=True, block_table=block_table,
+                              softmax_scale=scale, fa_version=3) for i in range(width)])  # fmt: skip
+
+    attempt("fa3_node_calls", node_calls)
     mask = torch.tril(torch.ones(width, width, dtype=torch.uint8, device=DEVICE))[None]
     one_pass = torch.full_like(q, float("nan"))
     tree_attention_triton_(q, keys, values, block_table, i64(0), i64(total), i64(width), mask, total, scale, one_pass)
@@ -186,7 +194,7 @@ def main() -> None:
         rows = [decode_agreement(c, w, qs, seed=i) for i, (c, w, qs) in enumerate(
             (c, w, qs) for c in args.contexts for w in args.widths for qs in (1.0, 4.0))]  # fmt: skip
         names = ("fa3_chain", "fa3_chain_batched", "fa3_per_node", "fa3_per_node_page1", "decode_one_split",
-                 "fa3_per_node_one_split", "triton_one_pass", "split")
+                 "fa3_per_node_one_split", "fa3_node_calls", "triton_one_pass", "split")
         columns = " | ".join(f"{n}: equal elements / rows, mean diff" for n in names)
         print(f"| context | nodes | q scale | {columns} |")
         print("| --- | --- | --- |" + " --- |" * len(names))

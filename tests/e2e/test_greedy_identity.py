@@ -87,18 +87,21 @@ def test_greedy_with_penalties_identical_to_no_speculation(models, baseline):
 ATTENTION_SWITCHES = [
     # Rows whose ancestors are the nodes before them keep the attention backend's causal output, the others the
     # tree attention's (experimental).
-    ("VLLM_DDTREE_BACKEND_ROWS", 4, 17), ("VLLM_DDTREE_BACKEND_ROWS", 16, 31),
+    ("VLLM_DDTREE_BACKEND_ROWS", "1", 4, 17), ("VLLM_DDTREE_BACKEND_ROWS", "1", 16, 31),
     # Every node verified as one query over its context and its own path (on the CPU through the pure-torch
-    # stand-in for FA3), with budgets above and below the block size.
-    ("VLLM_DDTREE_PER_PATH_ATTENTION", 4, 17), ("VLLM_DDTREE_PER_PATH_ATTENTION", 16, 7),
-    ("VLLM_DDTREE_PER_PATH_ATTENTION", 16, 64),
+    # stand-in for FA3), with budgets above and below the block size; all nodes in one call (1) or one call per
+    # node index (decode).
+    ("VLLM_DDTREE_PER_PATH_ATTENTION", "1", 4, 17), ("VLLM_DDTREE_PER_PATH_ATTENTION", "1", 16, 7),
+    ("VLLM_DDTREE_PER_PATH_ATTENTION", "1", 16, 64), ("VLLM_DDTREE_PER_PATH_ATTENTION", "decode", 4, 17),
+    ("VLLM_DDTREE_PER_PATH_ATTENTION", "decode", 16, 31),
 ]
 
 
-@pytest.mark.parametrize("switch,block_size,budget", ATTENTION_SWITCHES)
-def test_attention_switches_keep_greedy_output(models, baseline, greedy_params, switch, block_size, budget, monkeypatch):
-    """Each experimental attention switch (=1) inside the engine: still token-identical to plain vLLM."""
-    monkeypatch.setenv(switch, "1")
+@pytest.mark.parametrize("switch,value,block_size,budget", ATTENTION_SWITCHES)
+def test_attention_switches_keep_greedy_output(models, baseline, greedy_params, switch, value, block_size, budget,
+                                               monkeypatch):  # fmt: skip
+    """Each experimental attention switch inside the engine: still token-identical to plain vLLM."""
+    monkeypatch.setenv(switch, value)
     target, drafters = models
     spec = {"method": "ddtree", "model": drafters[block_size], "num_speculative_tokens": budget}
     result = run(target, spec, prompts(), greedy_params)

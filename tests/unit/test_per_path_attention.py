@@ -52,10 +52,13 @@ def test_every_node_names_its_context_and_its_path_in_order(num_trees, budget, c
             assert grid_slots[t, i, : len(expected)].tolist() == expected, (t, i)
 
 
+@pytest.mark.parametrize("mode", ["1", "decode"])
 @pytest.mark.parametrize("padding", [0, 2], ids=["eager_layout", "graph_layout"])
 @pytest.mark.parametrize("num_trees,budget,context,page", CASES)
-def test_per_path_attention_is_tree_attention(num_trees, budget, context, page, padding):
-    """With the pure-torch stand-in for FA3, every tree row equals the reference's and no other row is written."""
+def test_per_path_attention_is_tree_attention(num_trees, budget, context, page, padding, mode, monkeypatch):
+    """With the pure-torch stand-in for FA3, every tree row equals the reference's and no other row is written,
+    with all nodes in one call (1) or one call per node index (decode)."""
+    monkeypatch.setenv(PER_PATH_ENV, mode)
     case = make_case(num_trees, budget, context, 4, 2, 8, torch.float32, "cpu", page=page, seed=3 * budget + page)
     expected = torch.full_like(case.query, float("nan"))
     tree_attention_reference_(case.query, case.kv, case.tree, case.scale, expected)
@@ -68,6 +71,33 @@ def test_per_path_attention_is_tree_attention(num_trees, budget, context, page, 
     cached = tree.per_path_slots  # the next layer of the step reuses the slots
     per_path_attention_(case.query, case.kv, tree, case.scale, out, reference_attend)
     assert tree.per_path_slots is cached
+
+
+@pytest.mark.parametrize("padding", [0, 2], ids=["eager_layout", "graph_layout"])
+@pytest.mark.parametrize("num_trees,budget,context,page", CASES)
+def test_decode_mode_calls_once_per_node_index_and_rows_keep_their_own_call(num_trees, budget, context, page,
+                                                                          padding, monkeypatch):  # fmt: skip
+    """decode: call k is a batch of one query per request (as a decoding step), and a node's row holds the result
+    of its own call, never an alias's from another call (a stand-in adds its call's index: calls may round
+    differently on the GPU)."""
+    monkeypatch.setenv(PER_PATH_ENV, "decode")
+    case = make_case(num_trees, budget, context, 4, 2, 8, torch.float32, "cpu", page=page, seed=5 * budget + page)
+    expected = torch.full_like(case.query, float("nan"))
+    tree_attention_reference_(case.query, case.kv, case.tree, case.scale, expected)
+    tree = as_persistent_layout(case.tree, padding) if padding else case.tree
+    batches = []
+
+    def call_marked(query, kv, slots, lengths, scale, max_len):
+        batches.append(query.shape[0])
+        return reference_attend(query, kv, slots, lengths, scale, max_len) + len(batches) - 1
+
+    out = torch.full_like(case.query, float("nan"))
+    per_path_attention_(case.query, case.kv, tree, case.scale, out, call_marked)
+    assert batches == [len(tree.num_nodes_cpu)] * (budget + 1)
+    for t, num_nodes in enumerate(case.tree.num_nodes_cpu):
+        start = int(case.tree.query_start[t])
+        for k in range(num_nodes):
+            torch.testing.assert_close(out[start + k], expected[start + k] + k, rtol=1e-5, atol=1e-5)
 
 
 def test_one_token_pages_share_the_cache_and_refuse_other_layouts():
@@ -91,6 +121,8 @@ def test_the_switch_is_validated_and_applies_to_fa3_in_16_bit_only(monkeypatch):
     if torch.cuda.is_available():
         cuda = dict(device="cuda")
         assert not _per_path_applies(fa3, fp32.to(**cuda)) and not _per_path_applies(other, bf16.to(**cuda))
+    monkeypatch.setenv(PER_PATH_ENV, "decode")
+    assert per_path_requested() and _per_path_applies(fa3, bf16)
     monkeypatch.setenv(PER_PATH_ENV, "yes")
     with pytest.raises(ValueError, match=f"{PER_PATH_ENV}='yes'"):
         per_path_requested()

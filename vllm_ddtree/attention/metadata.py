@@ -121,11 +121,12 @@ def tree_attention_builder(layer_names, cudagraph_mode, max_reqs: int, width: in
     if cudagraph_mode is not None and cudagraph_mode.has_full_cudagraphs():
         persistent = PersistentTreeBuffers.allocate(max_reqs, width, device)
         logger.info("DDTree: FULL CUDA graphs for uniform tree-verification batches (%s)", cudagraph_mode.name)
-    from vllm_ddtree.attention.per_path import PER_PATH_ENV, per_path_requested
+    from vllm_ddtree.attention.per_path import PER_PATH_ENV, per_path_mode
 
-    if per_path_requested():
-        logger.info("DDTree: %s=1: tree nodes verified one FA3 query each over their context and path, where the "
-                    "backend is FlashAttention-3 and the dtype 16-bit (else the tree kernels)", PER_PATH_ENV)
+    if per_path_mode() != "0":
+        logger.info("DDTree: %s=%s: tree nodes verified one FA3 query each over their context and path (%s), where "
+                    "the backend is FlashAttention-3 and the dtype 16-bit (else the tree kernels)", PER_PATH_ENV,
+                    per_path_mode(), "one call per node index" if per_path_mode() == "decode" else "one call")
     return TreeAttentionMetadataBuilder(set(layer_names), persistent)
 
 

@@ -4,8 +4,11 @@ A node's tree attention is causal attention over its request's context and its o
 verifying a chain of up to 17 nodes is bitwise one-token decoding (session 49, docs/benchmarks.md), while DDTree's
 Triton kernels round differently, which is all it takes for bf16 greedy answers to leave plain decoding's (issue 3).
 So here each node is one query over the keys of its context and its path, named in place by a table of key slots
-over the KV cache viewed as one-token pages: no KV is copied. Opt-in (`VLLM_DDTREE_PER_PATH_ATTENTION=1`, FA3 and
-16-bit dtypes only): every node reads its whole context, so attention work grows with the number of nodes.
+over the KV cache viewed as one-token pages: no KV is copied. Opt-in (`VLLM_DDTREE_PER_PATH_ATTENTION=1` or
+`decode`, FA3 and 16-bit dtypes only): every node reads its whole context, so attention work grows with the number
+of nodes. FA3 splits a sequence's keys among thread blocks by a heuristic over the whole call's batch, and the split
+sets the rounding: `decode` makes one call per node index with one query per request, the batch a plain decoding
+step of the same requests has.
 
 Shapes are fixed by the tree buffers and the block table (CUDA graphs), and nothing here waits for the device.
 """
@@ -24,9 +27,18 @@ PER_PATH_ENV = "VLLM_DDTREE_PER_PATH_ATTENTION"
 SPLITS_ENV = "VLLM_DDTREE_PER_PATH_SPLITS"
 
 
+def per_path_mode() -> str:
+    """`VLLM_DDTREE_PER_PATH_ATTENTION`: "0" (off, the default), "1" (every node of the step one sequence of a single
+    FA3 call) or "decode" (one FA3 call per node index, each a batch of one query per request: the shape of a plain
+    decoding step, so that FA3 splits the keys as decoding does)."""
+    return env_choice(PER_PATH_ENV, ("0", "1", "decode"),
+                      "is not 0, 1 or decode (1: per-path FA3 tree verification in one call; decode: one call per "
+                      "node index, shaped like a decoding step)")  # fmt: skip
+
+
 def per_path_requested() -> bool:
-    """`VLLM_DDTREE_PER_PATH_ATTENTION=1`: verify with FA3 per node where it applies (CUDA, FA3, 16-bit dtypes)."""
-    return env_choice(PER_PATH_ENV, ("0", "1"), "is not 0 or 1 (1: per-path FA3 tree verification)") == "1"
+    """Whether `per_path_mode` is on (CUDA, FA3, 16-bit dtypes; the CPU build runs the torch stand-in)."""
+    return per_path_mode() != "0"
 
 
 def node_key_slots(
@@ -65,7 +77,7 @@ def one_token_pages(cache: torch.Tensor) -> torch.Tensor:
         return cache.view(cache.shape[0] * cache.shape[1], 1, *cache.shape[2:])
     except RuntimeError as error:
         raise NotImplementedError(
-            f"{PER_PATH_ENV}=1 needs a KV cache whose blocks are contiguous runs of slots (got strides "
+            f"{PER_PATH_ENV} needs a KV cache whose blocks are contiguous runs of slots (got strides "
             f"{tuple(cache.stride())} for shape {tuple(cache.shape)}); unset it for this attention backend"
         ) from error
 
@@ -79,15 +91,37 @@ def per_path_attention_(query, kv: PagedKV, tree, scale: float, out: torch.Tenso
     # layer builds its own: a graph must contain the build (a cached tensor from an eager warm-up run, or from
     # another graph, would never be rewritten when this graph replays).
     capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
+    mode = per_path_mode()
     cached = None if capturing else getattr(tree, "per_path_slots", None)
-    if cached is None or cached[0] != page:
-        req, node = node_aliases(tree.num_nodes, width)
-        rows = (tree.query_start.to(torch.int64)[req] + node).view(-1)  # [T * N] scheduled-token row of each entry
-        cached = (page, rows, *node_key_slots(tree.block_table, tree.seq_lens, tree.num_nodes, tree.node_mask, page))
+    if cached is None or cached[:2] != (page, mode):
+        num_trees = tree.num_nodes.shape[0]
+        req, node = node_aliases(tree.num_nodes, width)  # [T, N]
+        rows = tree.query_start.to(torch.int64)[req] + node  # [T, N] scheduled-token row of each entry
+        slots, lengths = node_key_slots(tree.block_table, tree.seq_lens, tree.num_nodes, tree.node_mask, page)
+        if mode == "decode":  # node-major: call k's sequences are contiguous
+            slots = slots.view(num_trees, width, -1).transpose(0, 1).contiguous()  # [N, T, K]
+            lengths = lengths.view(num_trees, width).t().contiguous()  # [N, T]
+            # An aliased entry's call may split differently from its alias's, so every entry writes its alias's
+            # result: duplicate rows always carry equal values.
+            owner = (node * num_trees + req).view(-1)  # [T * N] the alias's place in the node-major results
+            cached = (page, mode, rows.t().contiguous(), slots, lengths, owner, rows.view(-1))
+        else:
+            cached = (page, mode, rows.view(-1), slots, lengths)
         if not capturing:
             tree.per_path_slots = cached
-    _, rows, slots, lengths = cached
-    out[rows] = attend(query[rows], kv, slots, lengths, scale, tree.max_seq_len).to(out.dtype)
+    if mode != "decode":
+        _, _, rows, slots, lengths = cached
+        out[rows] = attend(query[rows], kv, slots, lengths, scale, tree.max_seq_len).to(out.dtype)
+        return
+    # One call per node index k, the batch of a decoding step: sequence t is request t's node k (or its alias).
+    _, _, node_rows, slots, lengths, owner, rows = cached  # node_rows [N, T]
+    width, num_trees = node_rows.shape
+    results = query.new_empty((width * num_trees, *query.shape[1:]))  # [N * T, Hq, D] node-major
+    for k in range(width):
+        results[k * num_trees : (k + 1) * num_trees] = attend(
+            query[node_rows[k]], kv, slots[k], lengths[k], scale, tree.max_seq_len
+        )
+    out[rows] = results[owner].to(out.dtype)
 
 
 def fa3_attend(query, kv: PagedKV, slots, lengths, scale: float, max_len: int) -> torch.Tensor:
