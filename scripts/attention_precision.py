@@ -165,6 +165,13 @@ def decode_agreement(context: int, width: int, q_scale: float, seed: int) -> dic
                               softmax_scale=scale, fa_version=3) for i in range(width)])  # fmt: skip
 
     attempt("fa3_node_calls", node_calls)
+    # VLLM_DDTREE_PER_PATH_ATTENTION=chains at batch 1: a chain whose first node is not the root (here the chain's
+    # second half) is one causal sequence over the context, its ancestors and itself, with max_seqlen_q the depth
+    # bound (the whole chain's length) and the tree's longest sequence as max_seqlen_k.
+    half = width // 2
+    attempt("fa3_chain_tail", lambda: torch.cat([outputs["fa3_chain"][:half], fa3(
+        q[half:], keys, values, max_seqlen_q=width, cu_seqlens_q=i32(0, width - half), max_seqlen_k=total,
+        seqused_k=i32(total), causal=True, block_table=block_table, softmax_scale=scale, fa_version=3)]))  # fmt: skip
     mask = torch.tril(torch.ones(width, width, dtype=torch.uint8, device=DEVICE))[None]
     one_pass = torch.full_like(q, float("nan"))
     tree_attention_triton_(q, keys, values, block_table, i64(0), i64(total), i64(width), mask, total, scale, one_pass)
@@ -194,7 +201,7 @@ def main() -> None:
         rows = [decode_agreement(c, w, qs, seed=i) for i, (c, w, qs) in enumerate(
             (c, w, qs) for c in args.contexts for w in args.widths for qs in (1.0, 4.0))]  # fmt: skip
         names = ("fa3_chain", "fa3_chain_batched", "fa3_per_node", "fa3_per_node_page1", "decode_one_split",
-                 "fa3_per_node_one_split", "fa3_node_calls", "triton_one_pass", "split")
+                 "fa3_per_node_one_split", "fa3_node_calls", "fa3_chain_tail", "triton_one_pass", "split")
         columns = " | ".join(f"{n}: equal elements / rows, mean diff" for n in names)
         print(f"| context | nodes | q scale | {columns} |")
         print("| --- | --- | --- |" + " --- |" * len(names))

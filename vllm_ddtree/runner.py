@@ -183,7 +183,8 @@ def install_runner_hooks() -> None:
         if state is not None:
             state.layers, state.layer_groups = wrap_target_layers(self.get_model(), self.kv_cache_config)
             state.attention = tree_attention_builder(
-                state.layers, self.compilation_config.cudagraph_mode, self.max_num_reqs, state.width, self.device, logger
+                state.layers, self.compilation_config.cudagraph_mode, self.max_num_reqs, state.width, state.depth,
+                self.device, logger,
             )
         return result
 

@@ -257,7 +257,7 @@ def install_v2_runner_hooks() -> None:
             state.block_tables = self.block_tables
             mode = self.cudagraph_manager.cudagraph_mode if self.cudagraph_manager is not None else None
             state.attention = tree_attention_builder(
-                state.layers, mode, self.max_num_reqs, state.width, self.device, logger
+                state.layers, mode, self.max_num_reqs, state.width, state.depth, self.device, logger
             )
             from vllm_ddtree.compat import drafts_by_batch_size
 

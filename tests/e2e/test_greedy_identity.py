@@ -89,11 +89,12 @@ ATTENTION_SWITCHES = [
     # tree attention's (experimental).
     ("VLLM_DDTREE_BACKEND_ROWS", "1", 4, 17), ("VLLM_DDTREE_BACKEND_ROWS", "1", 16, 31),
     # Every node verified as one query over its context and its own path (on the CPU through the pure-torch
-    # stand-in for FA3), with budgets above and below the block size; all nodes in one call (1) or one call per
-    # node index (decode).
+    # stand-in for FA3), with budgets above and below the block size; all nodes in one call (1), one call per
+    # node index (decode) or per chain index (chains: chains of at most the drafter's depth + 1 nodes).
     ("VLLM_DDTREE_PER_PATH_ATTENTION", "1", 4, 17), ("VLLM_DDTREE_PER_PATH_ATTENTION", "1", 16, 7),
     ("VLLM_DDTREE_PER_PATH_ATTENTION", "1", 16, 64), ("VLLM_DDTREE_PER_PATH_ATTENTION", "decode", 4, 17),
-    ("VLLM_DDTREE_PER_PATH_ATTENTION", "decode", 16, 31),
+    ("VLLM_DDTREE_PER_PATH_ATTENTION", "decode", 16, 31), ("VLLM_DDTREE_PER_PATH_ATTENTION", "chains", 4, 17),
+    ("VLLM_DDTREE_PER_PATH_ATTENTION", "chains", 16, 7), ("VLLM_DDTREE_PER_PATH_ATTENTION", "chains", 16, 64),
 ]
 
 

@@ -129,6 +129,12 @@ def context_attention_with_lse(case: TreeCase) -> tuple[torch.Tensor, torch.Tens
     return out, lse
 
 
+def tree_depth(tree: TreeAttentionMetadata) -> int:
+    """The deepest node's depth among the trees' valid nodes (what `TreeAttentionMetadata.depth` bounds)."""
+    mask = tree.node_mask.bool().cpu()
+    return max(int(mask[t, i].sum()) - 1 for t, n in enumerate(tree.num_nodes_cpu) for i in range(n))
+
+
 def as_persistent_layout(tree: TreeAttentionMetadata, padding: int) -> TreeAttentionMetadata:
     """`tree` as the FULL-CUDA-graph path lays it out (`PersistentTreeBuffers`): int32 query starts, sequence
     lengths and node counts, a uint8 mask, and `padding` extra requests with 0 nodes and no context."""

@@ -344,25 +344,27 @@ def test_split_tree_attention_with_fa3_context(b, budget, ctx):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs FlashAttention-3 (CUDA)")
-@pytest.mark.parametrize("mode", ["1", "decode"])
+@pytest.mark.parametrize("mode", ["1", "decode", "chains"])
 @pytest.mark.parametrize("padding", [0, 3], ids=["eager_layout", "graph_layout"])
 @pytest.mark.parametrize("b,budget,ctx,heads,dtype", [
     (1, 15, 1000, (9, 3), torch.bfloat16), (4, 7, 300, (32, 8), torch.bfloat16), (8, 64, 4000, (32, 8), torch.bfloat16),
     (3, 20, 0, (8, 1), torch.float16), (64, 1, 1, (8, 8), torch.float16), (32, 128, 8192, (28, 4), torch.bfloat16)])
 def test_per_path_fa3_matches_reference(b, budget, ctx, heads, dtype, padding, mode, monkeypatch):
-    """VLLM_DDTREE_PER_PATH_ATTENTION's GPU path (1: all nodes in one call; decode: one call per node index): FA3
-    with one query per node through one-token pages, every tree row within its dtype's bound of the reference, rows
-    outside the trees untouched."""
-    from tests.gpu.cases import as_persistent_layout
-    from vllm_ddtree.attention.per_path import PER_PATH_ENV, fa3_attend, per_path_attention_
+    """VLLM_DDTREE_PER_PATH_ATTENTION's GPU path (1: all nodes in one call; decode: one call per node index;
+    chains: one call per chain index, causal chains of up to the trees' depth + 1 nodes): FA3 through one-token
+    pages, every tree row within its dtype's bound of the reference, rows outside the trees untouched."""
+    import dataclasses
 
-    monkeypatch.setenv(PER_PATH_ENV, mode)
+    from tests.gpu.cases import as_persistent_layout, tree_depth
+    from vllm_ddtree.attention.per_path import PER_PATH_ENV, fa3_attend, per_path_attention_
     from vllm_ddtree.attention.reference import tree_attention_reference_
 
+    monkeypatch.setenv(PER_PATH_ENV, mode)
     case = make_case(b, budget, ctx, *heads, 64 if heads[0] in (9, 8) else 128, dtype, "cuda", seed=budget)
     ref = torch.full_like(case.query, float("nan"))
     tree_attention_reference_(case.query, case.kv, case.tree, case.scale, ref)
-    tree = as_persistent_layout(case.tree, padding) if padding else case.tree
+    tree = dataclasses.replace(case.tree, depth=tree_depth(case.tree))  # chains: the tightest bound
+    tree = as_persistent_layout(tree, padding) if padding else tree
     out = torch.full_like(case.query, float("nan"))
     per_path_attention_(case.query, case.kv, tree, case.scale, out, fa3_attend)
     rows = case.tree_rows

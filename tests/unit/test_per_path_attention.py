@@ -9,10 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.gpu.cases import as_persistent_layout, make_case
+from tests.gpu.cases import as_persistent_layout, make_case, tree_depth
 from vllm_ddtree.attention.per_path import (
     PER_PATH_ENV,
     SPLITS_ENV,
+    node_chains,
     node_key_slots,
     one_token_pages,
     per_path_attention_,
@@ -52,52 +53,93 @@ def test_every_node_names_its_context_and_its_path_in_order(num_trees, budget, c
             assert grid_slots[t, i, : len(expected)].tolist() == expected, (t, i)
 
 
-@pytest.mark.parametrize("mode", ["1", "decode"])
+@pytest.mark.parametrize("mode", ["1", "decode", "chains"])
 @pytest.mark.parametrize("padding", [0, 2], ids=["eager_layout", "graph_layout"])
 @pytest.mark.parametrize("num_trees,budget,context,page", CASES)
 def test_per_path_attention_is_tree_attention(num_trees, budget, context, page, padding, mode, monkeypatch):
-    """With the pure-torch stand-in for FA3, every tree row equals the reference's and no other row is written,
-    with all nodes in one call (1) or one call per node index (decode)."""
+    """With the pure-torch stand-in for FA3, every tree row equals the reference's and no other row is written, in
+    each way of making the calls; chains with the trees' own depth bound (chains of at most depth + 1 nodes)."""
+    import dataclasses
+
     monkeypatch.setenv(PER_PATH_ENV, mode)
     case = make_case(num_trees, budget, context, 4, 2, 8, torch.float32, "cpu", page=page, seed=3 * budget + page)
     expected = torch.full_like(case.query, float("nan"))
     tree_attention_reference_(case.query, case.kv, case.tree, case.scale, expected)
-    tree = as_persistent_layout(case.tree, padding) if padding else case.tree
+    tree = dataclasses.replace(case.tree, depth=tree_depth(case.tree))
+    tree = as_persistent_layout(tree, padding) if padding else tree
     out = torch.full_like(case.query, float("nan"))  # poisoned: every tree row must be written, no other row
     per_path_attention_(case.query, case.kv, tree, case.scale, out, reference_attend)
     rows = case.tree_rows
     assert torch.isnan(out[~rows]).all()
     torch.testing.assert_close(out[rows], expected[rows], rtol=1e-5, atol=1e-6)
-    cached = tree.per_path_slots  # the next layer of the step reuses the slots
+    cached = tree.per_path_calls  # the next layer of the step reuses the calls
     per_path_attention_(case.query, case.kv, tree, case.scale, out, reference_attend)
-    assert tree.per_path_slots is cached
+    assert tree.per_path_calls is cached
 
 
+def brute_force_chains(node_mask: torch.Tensor, num_nodes: int) -> list[list[int]]:
+    """A tree's chains, each a list of nodes, in the order of their first nodes."""
+    parent = {i: max((j for j in range(i) if node_mask[i, j]), default=-1) for i in range(num_nodes)}
+    children = {p: sorted(i for i in range(num_nodes) if parent[i] == p) for p in range(num_nodes)}
+    chains = []
+    for head in range(num_nodes):
+        if parent[head] >= 0 and children[parent[head]][0] == head:
+            continue  # its parent's first child: on its parent's chain
+        chain = [head]
+        while children[chain[-1]]:
+            chain.append(children[chain[-1]][0])
+        chains.append(chain)
+    return chains
+
+
+@pytest.mark.parametrize("num_trees,budget", [(4, 1), (3, 7), (5, 20), (2, 64)])
+def test_node_chains_against_brute_force(num_trees, budget):
+    case = make_case(num_trees, budget, 0, 2, 1, 8, torch.float32, "cpu", seed=budget)
+    tree = as_persistent_layout(case.tree, 2)
+    chain, place, length, last = node_chains(tree.node_mask, tree.num_nodes)
+    width = budget + 1
+    for t, num_nodes in enumerate(tree.num_nodes_cpu):
+        chains = brute_force_chains(tree.node_mask[t].bool(), num_nodes)
+        assert length[t].tolist() == [len(c) for c in chains] + [0] * (width - len(chains))
+        assert last[t].tolist() == [c[-1] for c in chains] + [0] * (width - len(chains))
+        for c, nodes in enumerate(chains):
+            path = path_of(tree.node_mask[t], nodes[-1])
+            assert path[len(path) - len(nodes) :] == nodes  # the tail of its last node's path
+            for k, i in enumerate(nodes):
+                assert (int(chain[t, i]), int(place[t, i])) == (c, k)
+        assert chain[t, num_nodes:].eq(0).all() and place[t, num_nodes:].eq(0).all()
+
+
+@pytest.mark.parametrize("mode", ["decode", "chains"])
 @pytest.mark.parametrize("padding", [0, 2], ids=["eager_layout", "graph_layout"])
 @pytest.mark.parametrize("num_trees,budget,context,page", CASES)
-def test_decode_mode_calls_once_per_node_index_and_rows_keep_their_own_call(num_trees, budget, context, page,
-                                                                          padding, monkeypatch):  # fmt: skip
-    """decode: call k is a batch of one query per request (as a decoding step), and a node's row holds the result
-    of its own call, never an alias's from another call (a stand-in adds its call's index: calls may round
-    differently on the GPU)."""
-    monkeypatch.setenv(PER_PATH_ENV, "decode")
+def test_every_row_keeps_its_own_call(num_trees, budget, context, page, padding, mode, monkeypatch):
+    """decode and chains make one call per node or chain index, each a batch of one sequence per request (as a
+    decoding step or vLLM's chain verification), and a node's row holds the result of its own call, never an
+    alias's from another call (a stand-in adds its call's index: calls may round differently on the GPU)."""
+    import dataclasses
+
+    monkeypatch.setenv(PER_PATH_ENV, mode)
     case = make_case(num_trees, budget, context, 4, 2, 8, torch.float32, "cpu", page=page, seed=5 * budget + page)
     expected = torch.full_like(case.query, float("nan"))
     tree_attention_reference_(case.query, case.kv, case.tree, case.scale, expected)
-    tree = as_persistent_layout(case.tree, padding) if padding else case.tree
-    batches = []
+    tree = dataclasses.replace(case.tree, depth=tree_depth(case.tree))
+    tree = as_persistent_layout(tree, padding) if padding else tree
+    sequences = []
 
-    def call_marked(query, kv, slots, lengths, scale, max_len):
-        batches.append(query.shape[0])
-        return reference_attend(query, kv, slots, lengths, scale, max_len) + len(batches) - 1
+    def call_marked(query, kv, slots, lengths, scale, max_len, cu_seqlens_q, max_seqlen_q):
+        sequences.append(slots.shape[0])
+        return reference_attend(query, kv, slots, lengths, scale, max_len, cu_seqlens_q, max_seqlen_q) + len(sequences) - 1
 
     out = torch.full_like(case.query, float("nan"))
     per_path_attention_(case.query, case.kv, tree, case.scale, out, call_marked)
-    assert batches == [len(tree.num_nodes_cpu)] * (budget + 1)
+    assert sequences == [len(tree.num_nodes_cpu)] * (budget + 1)
+    chain = node_chains(tree.node_mask, tree.num_nodes)[0]
     for t, num_nodes in enumerate(case.tree.num_nodes_cpu):
         start = int(case.tree.query_start[t])
         for k in range(num_nodes):
-            torch.testing.assert_close(out[start + k], expected[start + k] + k, rtol=1e-5, atol=1e-5)
+            call = k if mode == "decode" else int(chain[t, k])
+            torch.testing.assert_close(out[start + k], expected[start + k] + call, rtol=1e-5, atol=1e-5)
 
 
 def test_one_token_pages_share_the_cache_and_refuse_other_layouts():
@@ -121,8 +163,9 @@ def test_the_switch_is_validated_and_applies_to_fa3_in_16_bit_only(monkeypatch):
     if torch.cuda.is_available():
         cuda = dict(device="cuda")
         assert not _per_path_applies(fa3, fp32.to(**cuda)) and not _per_path_applies(other, bf16.to(**cuda))
-    monkeypatch.setenv(PER_PATH_ENV, "decode")
-    assert per_path_requested() and _per_path_applies(fa3, bf16)
+    for mode in ("decode", "chains"):
+        monkeypatch.setenv(PER_PATH_ENV, mode)
+        assert per_path_requested() and _per_path_applies(fa3, bf16)
     monkeypatch.setenv(PER_PATH_ENV, "yes")
     with pytest.raises(ValueError, match=f"{PER_PATH_ENV}='yes'"):
         per_path_requested()

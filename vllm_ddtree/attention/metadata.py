@@ -114,20 +114,20 @@ def dummy_tree_step(num_reqs: int, num_nodes: int, width: int, device: torch.dev
     return build_tree_step([num_nodes - 1] * num_reqs, logits_indices, None, None, [-1] * num_reqs, width)
 
 
-def tree_attention_builder(layer_names, cudagraph_mode, max_reqs: int, width: int, device, logger):
+def tree_attention_builder(layer_names, cudagraph_mode, max_reqs: int, width: int, depth: int, device, logger):
     """The step's metadata builder; with FULL CUDA graphs (left so by the runner hooks unless opted out) it writes
     the tree inputs into persistent buffers, the addresses the graphs were captured with."""
     persistent = None
     if cudagraph_mode is not None and cudagraph_mode.has_full_cudagraphs():
         persistent = PersistentTreeBuffers.allocate(max_reqs, width, device)
         logger.info("DDTree: FULL CUDA graphs for uniform tree-verification batches (%s)", cudagraph_mode.name)
-    from vllm_ddtree.attention.per_path import PER_PATH_ENV, per_path_mode
+    from vllm_ddtree.attention.per_path import PER_PATH_CALLS, PER_PATH_ENV, per_path_mode
 
     if per_path_mode() != "0":
         logger.info("DDTree: %s=%s: tree nodes verified one FA3 query each over their context and path (%s), where "
                     "the backend is FlashAttention-3 and the dtype 16-bit (else the tree kernels)", PER_PATH_ENV,
-                    per_path_mode(), "one call per node index" if per_path_mode() == "decode" else "one call")
-    return TreeAttentionMetadataBuilder(set(layer_names), persistent)
+                    per_path_mode(), PER_PATH_CALLS[per_path_mode()])
+    return TreeAttentionMetadataBuilder(set(layer_names), persistent, depth)
 
 
 @dataclass
@@ -149,6 +149,8 @@ class TreeAttentionMetadata:
     # With VLLM_DDTREE_BACKEND_ROWS=1: (rows, keep) of `backend_rows`; the backend's pass runs and its output
     # stays in the kept rows.
     backend_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The trees' depth bound (the drafter's block size - 1, or max_depth; None: unknown, at most N - 1).
+    depth: int | None = None
 
     @property
     def num_tree_reqs(self) -> int:
@@ -158,9 +160,12 @@ class TreeAttentionMetadata:
 class TreeAttentionMetadataBuilder:
     """Builds `TreeAttentionMetadata` once per step; attaches it to each target layer's backend metadata."""
 
-    def __init__(self, target_layer_names: set[str], persistent: PersistentTreeBuffers | None = None):
+    def __init__(
+        self, target_layer_names: set[str], persistent: PersistentTreeBuffers | None = None, depth: int | None = None
+    ):
         self.target_layer_names = target_layer_names
         self.persistent = persistent
+        self.depth = depth
 
     def build(self, step: TreeStep, backend_metadata, uniform: int | None = None) -> TreeAttentionMetadata | None:
         """`uniform`: n if every request of the batch has n scheduled tokens (`uniform_nodes`), else None."""
@@ -191,6 +196,7 @@ class TreeAttentionMetadataBuilder:
             cu_seqlens_q=backend_metadata.query_start_loc if all_trees else None,
             context_lens=(seq_lens - num_nodes).to(torch.int32) if all_trees else None,
             backend_rows=backend_rows(node_mask, num_nodes, query_start) if backend_rows_requested() else None,
+            depth=self.depth,
         )
 
     def _build_persistent(self, step: TreeStep, backend_metadata, chain_nodes: int | None) -> TreeAttentionMetadata:
@@ -242,6 +248,7 @@ class TreeAttentionMetadataBuilder:
             cu_seqlens_q=backend_metadata.query_start_loc,
             context_lens=context_lens,
             backend_rows=kept_backend_rows,
+            depth=self.depth,
         )
 
     def backend_metadata_of(self, attn_metadata):

@@ -1,16 +1,24 @@
-"""Per-path tree verification: every node attends as a sequence of its own, through FlashAttention-3.
+"""Per-path tree verification: every node attends as (part of) a sequence of its own, through FlashAttention-3.
 
 A node's tree attention is causal attention over its request's context and its own root-to-node path. FA3
 verifying a chain of up to 17 nodes is bitwise one-token decoding (session 49, docs/benchmarks.md), while DDTree's
 Triton kernels round differently, which is all it takes for bf16 greedy answers to leave plain decoding's (issue 3).
-So here each node is one query over the keys of its context and its path, named in place by a table of key slots
-over the KV cache viewed as one-token pages: no KV is copied. Opt-in (`VLLM_DDTREE_PER_PATH_ATTENTION=1` or
-`decode`, FA3 and 16-bit dtypes only): every node reads its whole context, so attention work grows with the number
-of nodes. FA3 splits a sequence's keys among thread blocks by a heuristic over the whole call's batch, and the split
-sets the rounding: `decode` makes one call per node index with one query per request, the batch a plain decoding
-step of the same requests has.
+So here the keys of a node's context and path are named in place by a table of key slots over the KV cache viewed
+as one-token pages (no KV is copied), and FA3 attends over them. Opt-in (`VLLM_DDTREE_PER_PATH_ATTENTION`, FA3 and
+16-bit dtypes only), three ways (`PER_PATH_CALLS`):
 
-Shapes are fixed by the tree buffers and the block table (CUDA graphs), and nothing here waits for the device.
+- `1`: every node one sequence with one query, all in one call;
+- `decode`: one call per node index, each with one query per request, the batch of a plain decoding step of the
+  same requests (FA3 splits a sequence's keys among thread blocks by a heuristic over the whole call's batch, and
+  the split sets the rounding);
+- `chains`: each tree split into chains (a chain starts at the root or at a node that is not its parent's first
+  child, and runs through first children), one call per chain index with one causal sequence per request over the
+  context and the path of the chain's last node: the shape of vLLM's own chain verification, and each context is
+  read once per chain instead of once per node.
+
+Every node reads its whole context once (per node, or per chain), so attention work grows with the tree: an
+exactness mode, not a speed mode. Shapes are fixed by the tree buffers and the block table (CUDA graphs), and
+nothing here waits for the device.
 """
 
 from __future__ import annotations
@@ -27,13 +35,19 @@ PER_PATH_ENV = "VLLM_DDTREE_PER_PATH_ATTENTION"
 SPLITS_ENV = "VLLM_DDTREE_PER_PATH_SPLITS"
 
 
+PER_PATH_CALLS = {
+    "0": "off",
+    "1": "every node one query, all in one call",
+    "decode": "one call per node index, one query per request",
+    "chains": "one call per chain index, one causal chain per request",
+}
+
+
 def per_path_mode() -> str:
-    """`VLLM_DDTREE_PER_PATH_ATTENTION`: "0" (off, the default), "1" (every node of the step one sequence of a single
-    FA3 call) or "decode" (one FA3 call per node index, each a batch of one query per request: the shape of a plain
-    decoding step, so that FA3 splits the keys as decoding does)."""
-    return env_choice(PER_PATH_ENV, ("0", "1", "decode"),
-                      "is not 0, 1 or decode (1: per-path FA3 tree verification in one call; decode: one call per "
-                      "node index, shaped like a decoding step)")  # fmt: skip
+    """`VLLM_DDTREE_PER_PATH_ATTENTION`, one of `PER_PATH_CALLS` ("0", off, by default)."""
+    return env_choice(PER_PATH_ENV, tuple(PER_PATH_CALLS),
+                      "is not one of 0, 1, decode or chains (" + "; ".join(f"{k}: {v}" for k, v in PER_PATH_CALLS.items())
+                      + ")")  # fmt: skip
 
 
 def per_path_requested() -> bool:
@@ -82,61 +96,113 @@ def one_token_pages(cache: torch.Tensor) -> torch.Tensor:
         ) from error
 
 
+def node_chains(
+    node_mask: torch.Tensor,  # [T, N, N] node i may attend node j (ancestors have lower indices)
+    num_nodes: torch.Tensor,  # [T]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each tree split into chains: a chain starts at the root or at a node that is not its parent's first (lowest
+    index) child and runs through first children, so it is the tail of its last node's path. Returns
+    (chain [T, N]: each node's chain, numbered by their first nodes' order; place [T, N]: its place along the chain;
+    length [T, C = N]: each chain's number of nodes, 0 past the request's last chain; last [T, C]: each chain's last
+    node, 0 past the last chain). Entries past a request's last node are in chain 0 at place 0 (never read)."""
+    num_trees, width = node_mask.shape[:2]
+    device = node_mask.device
+    index = torch.arange(width, device=device)
+    valid = index[None, :] < num_nodes[:, None]  # [T, N]
+    mask = node_mask.bool() & valid[:, :, None] & valid[:, None, :]
+    strict = mask & (index[None, None, :] < index[None, :, None])  # [T, N, N] strict ancestors
+    parent = (strict * (index + 1)).amax(-1) - 1  # [T, N] the deepest strict ancestor, -1 for the root
+    is_child = (parent[:, :, None] == index) & valid[:, :, None]  # [T, N(child), N(parent)]
+    first_child = torch.where(is_child, index[None, :, None], width).amin(1)  # [T, N(parent)]
+    continues = (parent >= 0) & (first_child.gather(1, parent.clamp(min=0)) == index)  # [T, N]
+    head = valid & ~continues  # [T, N] nodes that start a chain
+    head_rank = head.cumsum(-1) - 1  # [T, N]
+    chain_head = ((mask & head[:, None, :]) * (index + 1)).amax(-1).clamp(min=1) - 1  # [T, N] nearest head on the path
+    chain = torch.where(valid, head_rank.gather(1, chain_head), 0)
+    depth = mask.sum(-1)  # [T, N] depth + 1 (0 for entries past the last node)
+    place = torch.where(valid, depth - depth.gather(1, chain_head), 0)
+    member = (chain[:, :, None] == index) & valid[:, :, None]  # [T, N(node), C]
+    length = member.sum(1)  # [T, C]
+    last = (member * (index + 1)[None, :, None]).amax(1).clamp(min=1) - 1  # [T, C] (ancestors before descendants)
+    return chain, place, length, last
+
+
+def _calls(tree, mode: str, page: int, width: int):
+    """The step's FA3 calls (built once per step, on the device): (rows [T * N] scheduled-token row of each entry of
+    the node grid, aliased as in `node_aliases`; per call c: gather [C, Q] the query rows of its packed sequences,
+    cu_seqlens [C, T + 1] or None (one query per sequence), slots [C, S, K], lengths [C, S]; owner [T * N] each
+    entry's row among the calls' stacked outputs [C * Q]; max_seqlen_q)."""
+    num_trees = tree.num_nodes.shape[0]
+    req, node = node_aliases(tree.num_nodes, width)  # [T, N]
+    rows = tree.query_start.to(torch.int64)[req] + node  # [T, N]
+    slots, lengths = node_key_slots(tree.block_table, tree.seq_lens, tree.num_nodes, tree.node_mask, page)
+    if mode == "1":  # one call, every entry a sequence of one query (aliased entries: equal inputs, equal outputs)
+        owner = torch.arange(num_trees * width, device=rows.device)
+        return rows.view(-1), rows.view(1, -1), None, slots[None], lengths[None], owner, 1
+    slots = slots.view(num_trees, width, -1)
+    lengths = lengths.view(num_trees, width)
+    if mode == "decode":  # call k: node k of every request (its alias past the last node), one query each
+        gather = rows.t().contiguous()  # [N, T]
+        owner = node * num_trees + req  # [T, N] an alias's own call: calls may round differently
+        return rows.view(-1), gather, None, slots.transpose(0, 1).contiguous(), lengths.t().contiguous(), owner.view(-1), 1
+    # chains: call c holds chain c of every request, packed one after another, each at most `max_len` nodes
+    depth = tree.depth if getattr(tree, "depth", None) is not None else width - 1
+    max_len = min(width, depth + 1)
+    chain, place, length, last = node_chains(tree.node_mask, tree.num_nodes)
+    per_call = num_trees * max_len
+    ends = length.t().cumsum(-1)  # [C, T]
+    cu_seqlens = torch.cat([ends.new_zeros(width, 1), ends], -1).to(torch.int32)  # [C, T + 1]
+    packed = (ends - length.t()).t().gather(1, chain) + place  # [T, N] each node's row within its call
+    entry_chain, entry_packed = chain[req, node], packed[req, node]  # aliases: the alias's place
+    owner = entry_chain * per_call + entry_packed  # [T, N]
+    gather = rows[0, 0].expand(width * per_call).clone()  # unused rows past a call's last sequence: a valid row
+    gather.scatter_(0, owner.view(-1), rows.view(-1))
+    by_call = torch.arange(num_trees, device=rows.device)[None, :], last.t()  # [C, T] each chain's last node
+    return (rows.view(-1), gather.view(width, per_call), cu_seqlens, slots[by_call], lengths[by_call],
+            owner.view(-1), max_len)  # fmt: skip
+
+
 def per_path_attention_(query, kv: PagedKV, tree, scale: float, out: torch.Tensor, attend) -> None:
-    """Overwrite the tree rows of `out` [num_tokens, Hq, D]: each node one query over its context and path.
-    `attend(q [R, Hq, D], kv, slots [R, K], lengths [R], scale, max_len)` -> [R, Hq, D] is FA3 on CUDA (`fa3_attend`)
-    or `reference_attend` (the CPU build, and the tests); `max_len` is the step's longest sequence (host)."""
-    width, page = tree.node_mask.shape[1], kv.block_size
-    # Eager steps build the rows and slots at their first layer and the others reuse them. Under CUDA-graph capture every
+    """Overwrite the tree rows of `out` [num_tokens, Hq, D] with per-path attention, the calls of `per_path_mode`.
+    `attend(q [R, Hq, D], kv, slots [S, K], lengths [S], scale, max_len, cu_seqlens_q [S + 1] or None, max_seqlen_q)`
+    -> [R, Hq, D] is FA3 on CUDA (`fa3_attend`) or `reference_attend` (the CPU build, and the tests); `max_len` is
+    the step's longest sequence (host)."""
+    width, page, mode = tree.node_mask.shape[1], kv.block_size, per_path_mode()
+    # Eager steps build the calls at their first layer and the others reuse them. Under CUDA-graph capture every
     # layer builds its own: a graph must contain the build (a cached tensor from an eager warm-up run, or from
     # another graph, would never be rewritten when this graph replays).
     capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
-    mode = per_path_mode()
-    cached = None if capturing else getattr(tree, "per_path_slots", None)
+    cached = None if capturing else getattr(tree, "per_path_calls", None)
     if cached is None or cached[:2] != (page, mode):
-        num_trees = tree.num_nodes.shape[0]
-        req, node = node_aliases(tree.num_nodes, width)  # [T, N]
-        rows = tree.query_start.to(torch.int64)[req] + node  # [T, N] scheduled-token row of each entry
-        slots, lengths = node_key_slots(tree.block_table, tree.seq_lens, tree.num_nodes, tree.node_mask, page)
-        if mode == "decode":  # node-major: call k's sequences are contiguous
-            slots = slots.view(num_trees, width, -1).transpose(0, 1).contiguous()  # [N, T, K]
-            lengths = lengths.view(num_trees, width).t().contiguous()  # [N, T]
-            # An aliased entry's call may split differently from its alias's, so every entry writes its alias's
-            # result: duplicate rows always carry equal values.
-            owner = (node * num_trees + req).view(-1)  # [T * N] the alias's place in the node-major results
-            cached = (page, mode, rows.t().contiguous(), slots, lengths, owner, rows.view(-1))
-        else:
-            cached = (page, mode, rows.view(-1), slots, lengths)
+        cached = (page, mode, *_calls(tree, mode, page, width))
         if not capturing:
-            tree.per_path_slots = cached
-    if mode != "decode":
-        _, _, rows, slots, lengths = cached
-        out[rows] = attend(query[rows], kv, slots, lengths, scale, tree.max_seq_len).to(out.dtype)
-        return
-    # One call per node index k, the batch of a decoding step: sequence t is request t's node k (or its alias).
-    _, _, node_rows, slots, lengths, owner, rows = cached  # node_rows [N, T]
-    width, num_trees = node_rows.shape
-    results = query.new_empty((width * num_trees, *query.shape[1:]))  # [N * T, Hq, D] node-major
-    for k in range(width):
-        results[k * num_trees : (k + 1) * num_trees] = attend(
-            query[node_rows[k]], kv, slots[k], lengths[k], scale, tree.max_seq_len
-        )
+            tree.per_path_calls = cached
+    _, _, rows, gather, cu_seqlens, slots, lengths, owner, max_seqlen_q = cached
+    num_calls, per_call = gather.shape
+    results = query.new_empty((num_calls * per_call, *query.shape[1:]))  # [C * Q, Hq, D] the calls' outputs
+    for c in range(num_calls):
+        results[c * per_call : (c + 1) * per_call] = attend(
+            query[gather[c]], kv, slots[c], lengths[c], scale, tree.max_seq_len,
+            None if cu_seqlens is None else cu_seqlens[c], max_seqlen_q,
+        )  # fmt: skip
     out[rows] = results[owner].to(out.dtype)
 
 
-def fa3_attend(query, kv: PagedKV, slots, lengths, scale: float, max_len: int) -> torch.Tensor:
-    """vLLM's FA3 with one query per sequence, one-token pages and `slots` as the block table. FA3 splits each
-    sequence's keys among thread blocks by a heuristic over the whole batch and `max_len` (the backend's own calls
-    pass the step's longest sequence too), and the split changes the rounding: `VLLM_DDTREE_PER_PATH_SPLITS=n`
-    fixes it (0, the default: FA3's choice), to match what decoding uses."""
+def fa3_attend(query, kv: PagedKV, slots, lengths, scale: float, max_len: int, cu_seqlens_q=None,
+               max_seqlen_q: int = 1) -> torch.Tensor:  # fmt: skip
+    """vLLM's FA3 over one-token pages with `slots` as the block table: sequence s has the queries
+    cu_seqlens_q[s]:cu_seqlens_q[s + 1] (None: one each), causal (aligned to its last keys), over the keys
+    slots[s, :lengths[s]]. FA3 splits each sequence's keys among thread blocks by a heuristic over the whole batch and
+    `max_len` (the backend's own calls pass the step's longest sequence too), and the split changes the rounding:
+    `VLLM_DDTREE_PER_PATH_SPLITS=n` fixes it (0, the default: FA3's choice)."""
     from vllm_ddtree.compat import flash_attn_varlen
 
-    num_seqs = query.shape[0]
-    cu_seqlens_q = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
+    if cu_seqlens_q is None:
+        cu_seqlens_q = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
     return flash_attn_varlen()(
-        query, one_token_pages(kv.keys), one_token_pages(kv.values), max_seqlen_q=1, cu_seqlens_q=cu_seqlens_q,
-        max_seqlen_k=max_len, seqused_k=lengths, causal=True, block_table=slots, softmax_scale=scale,
-        fa_version=3, num_splits=per_path_splits(),
+        query, one_token_pages(kv.keys), one_token_pages(kv.values), max_seqlen_q=max_seqlen_q,
+        cu_seqlens_q=cu_seqlens_q, max_seqlen_k=max_len, seqused_k=lengths, causal=True, block_table=slots,
+        softmax_scale=scale, fa_version=3, num_splits=per_path_splits(),
     )  # fmt: skip
 
 
@@ -147,13 +213,22 @@ def per_path_splits() -> int:
     return int(value)
 
 
-def reference_attend(query, kv: PagedKV, slots, lengths, scale: float, max_len: int = 0) -> torch.Tensor:
-    """`fa3_attend` in pure torch (float32), any KV layout: query r attends to keys slots[r, :lengths[r]]."""
+def reference_attend(query, kv: PagedKV, slots, lengths, scale: float, max_len: int = 0, cu_seqlens_q=None,
+                     max_seqlen_q: int = 1) -> torch.Tensor:  # fmt: skip
+    """`fa3_attend` in pure torch (float32), any KV layout. Rows past the last sequence's queries are left as zeros
+    (FA3 leaves them unwritten; nothing reads them)."""
     from vllm_ddtree.attention.reference import masked_attention
 
-    out = []
-    for r in range(query.shape[0]):
-        keys, values = kv.read(slots[r, : int(lengths[r])].to(torch.int64))  # [n, Hkv, D]
-        mask = torch.ones((1, keys.shape[0]), dtype=torch.bool, device=query.device)
-        out.append(masked_attention(query[r : r + 1], keys, values, mask, scale))
-    return torch.cat(out)
+    num_seqs = slots.shape[0]
+    if cu_seqlens_q is None:
+        cu_seqlens_q = torch.arange(num_seqs + 1, device=query.device)
+    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    for s in range(num_seqs):
+        start, end, num_keys = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1]), int(lengths[s])
+        if end == start:
+            continue
+        keys, values = kv.read(slots[s, :num_keys].to(torch.int64))  # [n, Hkv, D]
+        last_key = num_keys - (end - start) + torch.arange(end - start, device=query.device)  # causal, end-aligned
+        mask = torch.arange(num_keys, device=query.device)[None, :] <= last_key[:, None]
+        out[start:end] = masked_attention(query[start:end], keys, values, mask, scale)
+    return out
