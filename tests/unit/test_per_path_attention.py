@@ -129,7 +129,8 @@ def test_every_row_keeps_its_own_call(num_trees, budget, context, page, padding,
 
     def call_marked(query, kv, slots, lengths, scale, max_len, cu_seqlens_q, max_seqlen_q):
         sequences.append(slots.shape[0])
-        return reference_attend(query, kv, slots, lengths, scale, max_len, cu_seqlens_q, max_seqlen_q) + len(sequences) - 1
+        out = reference_attend(query, kv, slots, lengths, scale, max_len, cu_seqlens_q, max_seqlen_q)
+        return out + len(sequences) - 1
 
     out = torch.full_like(case.query, float("nan"))
     per_path_attention_(case.query, case.kv, tree, case.scale, out, call_marked)

@@ -45,9 +45,8 @@ PER_PATH_CALLS = {
 
 def per_path_mode() -> str:
     """`VLLM_DDTREE_PER_PATH_ATTENTION`, one of `PER_PATH_CALLS` ("0", off, by default)."""
-    return env_choice(PER_PATH_ENV, tuple(PER_PATH_CALLS),
-                      "is not one of 0, 1, decode or chains (" + "; ".join(f"{k}: {v}" for k, v in PER_PATH_CALLS.items())
-                      + ")")  # fmt: skip
+    ways = "; ".join(f"{value}: {meaning}" for value, meaning in PER_PATH_CALLS.items())
+    return env_choice(PER_PATH_ENV, tuple(PER_PATH_CALLS), f"is not one of 0, 1, decode or chains ({ways})")
 
 
 def per_path_requested() -> bool:
@@ -144,7 +143,8 @@ def _calls(tree, mode: str, page: int, width: int):
     if mode == "decode":  # call k: node k of every request (its alias past the last node), one query each
         gather = rows.t().contiguous()  # [N, T]
         owner = node * num_trees + req  # [T, N] an alias's own call: calls may round differently
-        return rows.view(-1), gather, None, slots.transpose(0, 1).contiguous(), lengths.t().contiguous(), owner.view(-1), 1
+        slots, lengths = slots.transpose(0, 1).contiguous(), lengths.t().contiguous()  # [N, T, K], [N, T]
+        return rows.view(-1), gather, None, slots, lengths, owner.view(-1), 1
     # chains: call c holds chain c of every request, packed one after another, each at most `max_len` nodes
     depth = tree.depth if getattr(tree, "depth", None) is not None else width - 1
     max_len = min(width, depth + 1)
