@@ -53,20 +53,25 @@ def test_every_node_names_its_context_and_its_path_in_order(num_trees, budget, c
             assert grid_slots[t, i, : len(expected)].tolist() == expected, (t, i)
 
 
+def case_with_reference(num_trees: int, budget: int, context: int, page: int, padding: int, seed: int):
+    """(case, its trees with their own depth bound in the eager or the CUDA-graph layout, the reference output)."""
+    import dataclasses
+
+    case = make_case(num_trees, budget, context, 4, 2, 8, torch.float32, "cpu", page=page, seed=seed)
+    expected = torch.full_like(case.query, float("nan"))
+    tree_attention_reference_(case.query, case.kv, case.tree, case.scale, expected)
+    tree = dataclasses.replace(case.tree, depth=tree_depth(case.tree))  # chains of at most depth + 1 nodes
+    return case, as_persistent_layout(tree, padding) if padding else tree, expected
+
+
 @pytest.mark.parametrize("mode", ["1", "decode", "chains"])
 @pytest.mark.parametrize("padding", [0, 2], ids=["eager_layout", "graph_layout"])
 @pytest.mark.parametrize("num_trees,budget,context,page", CASES)
 def test_per_path_attention_is_tree_attention(num_trees, budget, context, page, padding, mode, monkeypatch):
     """With the pure-torch stand-in for FA3, every tree row equals the reference's and no other row is written, in
     each way of making the calls; chains with the trees' own depth bound (chains of at most depth + 1 nodes)."""
-    import dataclasses
-
     monkeypatch.setenv(PER_PATH_ENV, mode)
-    case = make_case(num_trees, budget, context, 4, 2, 8, torch.float32, "cpu", page=page, seed=3 * budget + page)
-    expected = torch.full_like(case.query, float("nan"))
-    tree_attention_reference_(case.query, case.kv, case.tree, case.scale, expected)
-    tree = dataclasses.replace(case.tree, depth=tree_depth(case.tree))
-    tree = as_persistent_layout(tree, padding) if padding else tree
+    case, tree, expected = case_with_reference(num_trees, budget, context, page, padding, seed=3 * budget + page)
     out = torch.full_like(case.query, float("nan"))  # poisoned: every tree row must be written, no other row
     per_path_attention_(case.query, case.kv, tree, case.scale, out, reference_attend)
     rows = case.tree_rows
@@ -117,14 +122,8 @@ def test_every_row_keeps_its_own_call(num_trees, budget, context, page, padding,
     """decode and chains make one call per node or chain index, each a batch of one sequence per request (as a
     decoding step or vLLM's chain verification), and a node's row holds the result of its own call, never an
     alias's from another call (a stand-in adds its call's index: calls may round differently on the GPU)."""
-    import dataclasses
-
     monkeypatch.setenv(PER_PATH_ENV, mode)
-    case = make_case(num_trees, budget, context, 4, 2, 8, torch.float32, "cpu", page=page, seed=5 * budget + page)
-    expected = torch.full_like(case.query, float("nan"))
-    tree_attention_reference_(case.query, case.kv, case.tree, case.scale, expected)
-    tree = dataclasses.replace(case.tree, depth=tree_depth(case.tree))
-    tree = as_persistent_layout(tree, padding) if padding else tree
+    case, tree, expected = case_with_reference(num_trees, budget, context, page, padding, seed=5 * budget + page)
     sequences = []
 
     def call_marked(query, kv, slots, lengths, scale, max_len, cu_seqlens_q, max_seqlen_q):
