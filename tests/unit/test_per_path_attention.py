@@ -82,6 +82,23 @@ def test_per_path_attention_is_tree_attention(num_trees, budget, context, page, 
     assert tree.per_path_calls is cached
 
 
+@pytest.mark.parametrize("mode", ["1", "decode", "chains"])
+def test_key_slots_cover_the_steps_longest_sequence_not_the_block_tables_width(mode, monkeypatch):
+    """vLLM's block table is max_model_len wide; an eager step's key slots need only its longest sequence (the
+    table per step is [T x (B + 1), K] int32), while a CUDA graph keeps the table's width (fixed shapes)."""
+    import dataclasses
+
+    monkeypatch.setenv(PER_PATH_ENV, mode)
+    case, tree, expected = case_with_reference(3, 20, 40, 16, 0, seed=11)
+    wide = torch.cat([tree.block_table, tree.block_table.new_zeros(tree.block_table.shape[0], 30)], dim=1)
+    tree = dataclasses.replace(tree, block_table=wide)
+    out = torch.full_like(case.query, float("nan"))
+    per_path_attention_(case.query, case.kv, tree, case.scale, out, reference_attend)
+    torch.testing.assert_close(out[case.tree_rows], expected[case.tree_rows], rtol=1e-5, atol=1e-6)
+    slots = tree.per_path_calls[5]  # [C, S, K]
+    assert slots.shape[-1] == -(-tree.max_seq_len // 16) * 16 < wide.shape[1] * 16
+
+
 def brute_force_chains(node_mask: torch.Tensor, num_nodes: int) -> list[list[int]]:
     """A tree's chains, each a list of nodes, in the order of their first nodes."""
     parent = {i: max((j for j in range(i) if node_mask[i, j]), default=-1) for i in range(num_nodes)}

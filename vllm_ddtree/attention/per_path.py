@@ -126,15 +126,17 @@ def node_chains(
     return chain, place, length, last
 
 
-def _calls(tree, mode: str, page: int, width: int):
+def _calls(tree, mode: str, page: int, width: int, fixed_shapes: bool):
     """The step's FA3 calls (built once per step, on the device): (rows [T * N] scheduled-token row of each entry of
     the node grid, aliased as in `node_aliases`; per call c: gather [C, Q] the query rows of its packed sequences,
     cu_seqlens [C, T + 1] or None (one query per sequence), slots [C, S, K], lengths [C, S]; owner [T * N] each
-    entry's row among the calls' stacked outputs [C * Q]; max_seqlen_q)."""
+    entry's row among the calls' stacked outputs [C * Q]; max_seqlen_q). K is the block table's width in keys under
+    CUDA-graph capture (`fixed_shapes`), else only what the step's longest sequence needs."""
     num_trees = tree.num_nodes.shape[0]
     req, node = node_aliases(tree.num_nodes, width)  # [T, N]
     rows = tree.query_start.to(torch.int64)[req] + node  # [T, N]
-    slots, lengths = node_key_slots(tree.block_table, tree.seq_lens, tree.num_nodes, tree.node_mask, page)
+    block_table = tree.block_table if fixed_shapes else tree.block_table[:, : -(-tree.max_seq_len // page)]
+    slots, lengths = node_key_slots(block_table, tree.seq_lens, tree.num_nodes, tree.node_mask, page)
     if mode == "1":  # one call, every entry a sequence of one query (aliased entries: equal inputs, equal outputs)
         owner = torch.arange(num_trees * width, device=rows.device)
         return rows.view(-1), rows.view(1, -1), None, slots[None], lengths[None], owner, 1
@@ -174,7 +176,7 @@ def per_path_attention_(query, kv: PagedKV, tree, scale: float, out: torch.Tenso
     capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
     cached = None if capturing else getattr(tree, "per_path_calls", None)
     if cached is None or cached[:2] != (page, mode):
-        cached = (page, mode, *_calls(tree, mode, page, width))
+        cached = (page, mode, *_calls(tree, mode, page, width, fixed_shapes=capturing))
         if not capturing:
             tree.per_path_calls = cached
     _, _, rows, gather, cu_seqlens, slots, lengths, owner, max_seqlen_q = cached
