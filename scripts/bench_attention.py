@@ -9,6 +9,9 @@ query rows per request). For each (batch, context):
             (what vLLM's backend runs for a chain verification step of N tokens)
   fa3_ctx   FA3 over the context only, non-causal, returning the LSE: part (a) of a split design
   tree_only our kernel on the tree keys alone (context 0): an upper bound of part (b) of a split design
+  per_path_M  VLLM_DDTREE_PER_PATH_ATTENTION=M (--per-path 1,decode,chains): FA3 per node or per chain over its
+            context and path (`attention.per_path`), the exactness mode for bf16; eager timings reuse the step's
+            calls as every layer after the first does, CUDA-graph ones rebuild them as a captured layer does
   split_MxN[xWxS[xE]]  the split path with the tree part's launch at BLOCK_M x BLOCK_N, num_warps W, num_stages S,
             E = 1: the context part loaded before the key loop (--split-blocks, an A/B of the launch; `split` is the
             shipped choice)
@@ -70,6 +73,15 @@ def _split(case, tree, out, launch=None):
     split_tree_attention_(case.query, case.kv.keys, case.kv.values, tree, case.scale, out, launch)
 
 
+def _per_path(case, tree, out, mode: str):
+    import os
+
+    from vllm_ddtree.attention.per_path import PER_PATH_ENV, fa3_attend, per_path_attention_
+
+    os.environ[PER_PATH_ENV] = mode
+    per_path_attention_(case.query, case.kv, tree, case.scale, out, fa3_attend)
+
+
 def _fa3_inputs(case, context_only: bool):
     t = case.tree
     num_trees, width = t.node_mask.shape[0], t.node_mask.shape[1]
@@ -89,7 +101,7 @@ def _fa3(flash_attn_varlen_func, case, inputs, causal: bool, lse: bool):
     )  # fmt: skip
 
 
-def bench_attention(batches, contexts, budget, rep_ms, graphs: bool, split_blocks=()):
+def bench_attention(batches, contexts, budget, rep_ms, graphs: bool, split_blocks=(), per_path=()):
     """graphs: time replays of CUDA graphs of the calls (GPU time only, as inside vLLM's FULL graphs); else
     `do_bench` on eager calls, where small cases measure the host's launch time (Python wrappers, ~40-60 us a
     Triton launch) rather than the GPU's."""
@@ -119,6 +131,10 @@ def bench_attention(batches, contexts, budget, rep_ms, graphs: bool, split_block
                 "fa3_ctx": time_it(_rotating(cases, lambda c: _fa3(fa, c, fa_ctx_in[id(c)], False, True))),
                 "tree_only": time_it(_rotating(tree_only, lambda c: _tree(c, out0))),
             }
+            for mode in per_path:  # trees of a block-16 drafter: chains of at most 16 nodes
+                trees = {id(c): dataclasses.replace(c.tree, depth=min(budget, 15)) for c in cases}
+                run = _rotating(cases, lambda c, m=mode: _per_path(c, trees[id(c)], out, m))
+                times["per_path_" + mode] = time_it(run)
             for launch in split_blocks:
                 times["split_" + "x".join(map(str, launch))] = time_it(
                     _rotating(cases, lambda c, b=launch: _split(c, split_trees[id(c)], out, b)))
@@ -132,7 +148,8 @@ def bench_attention(batches, contexts, budget, rep_ms, graphs: bool, split_block
                   f"{row['split_vs_fa3']:.2f}  tree {times['tree'] * 1e3:8.1f} us  fa3 {times['fa3'] * 1e3:8.1f}"
                   f"  fa3_ctx {times['fa3_ctx'] * 1e3:8.1f}  tree_only {times['tree_only'] * 1e3:7.1f}"
                   f"  ratio fa3/tree {row['tree_vs_fa3']:.2f}"
-                  + "".join(f"  {k} {v * 1e3:.1f} us" for k, v in times.items() if k.startswith("split_")),
+                  + "".join(f"  {k} {v * 1e3:.1f} us" for k, v in times.items()
+                            if k.startswith(("split_", "per_path_"))),
                   flush=True)  # fmt: skip
             del cases, tree_only
     return rows
@@ -197,6 +214,8 @@ def main() -> None:
     parser.add_argument("--split-blocks", default="",
                         help="BLOCK_MxBLOCK_N[xWARPS[xSTAGES[xEARLY]]] list for the split path's tree launch, e.g. "
                              "16x16,32x16x2x1,32x16x4x2x1 (A/B columns)")
+    parser.add_argument("--per-path", default="",
+                        help="VLLM_DDTREE_PER_PATH_ATTENTION modes to time too, e.g. 1,decode,chains")
     parser.add_argument("--no-compaction", action="store_true", help="skip the KV compaction timings")
     args = parser.parse_args()
     split_blocks = [tuple(int(v) for v in b.split("x")) for b in args.split_blocks.split(",") if b]
@@ -205,7 +224,9 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "cuda_graphs": args.cuda_graphs,
               "chain_check_rel_err": chain_check(args.budget)}
     print("chain check (our paths on chain trees vs FA3 causal), relative errors:", result["chain_check_rel_err"])
-    result["attention"] = bench_attention(batches, contexts, args.budget, args.rep_ms, args.cuda_graphs, split_blocks)
+    per_path = [m for m in args.per_path.split(",") if m]
+    result["attention"] = bench_attention(batches, contexts, args.budget, args.rep_ms, args.cuda_graphs, split_blocks,
+                                          per_path)  # fmt: skip
     if not args.no_compaction:
         result["compaction"] = bench_compaction(batches, args.budget, args.rep_ms)
     Path(args.out).write_text(json.dumps(result, indent=1))
@@ -214,6 +235,11 @@ def main() -> None:
     for r in result["attention"]:
         print(f"| {r['batch']} | {r['context']} | {r['split'] * 1e3:.1f} | {r['fa3'] * 1e3:.1f} | {r['split_vs_fa3']:.2f} "
               f"| {r['tree'] * 1e3:.1f} | {r['tree_vs_fa3']:.2f} |")  # fmt: skip
+    for r in result["attention"]:  # the per-path modes: FA3 causal / per-path
+        modes = {k: r["fa3"] / v for k, v in r.items() if k.startswith("per_path_")}
+        if modes:
+            ratios = "  ".join(f"{k} {v:.2f}" for k, v in modes.items())
+            print(f"b={r['batch']} ctx={r['context']} FA3/per-path: {ratios}")
     for r in result["attention"]:  # the A/B launches: FA3 causal / split at each
         ab = {k: r["fa3"] / v for k, v in r.items() if k.startswith("split_") and k != "split_vs_fa3"
               and k != "split_estimate"}
