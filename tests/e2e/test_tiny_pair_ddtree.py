@@ -255,3 +255,17 @@ def test_max_depth_caps_the_tree_below_the_block(prompts, baseline, max_depth, b
     assert len(per_pos) == budget  # vLLM counts per draft slot: B of them
     assert per_pos[max_depth - 1] > 0 and not any(per_pos[max_depth:]), per_pos
     assert result.acceptance_length > 1 + 0.5 * max_depth, result.metrics
+
+
+@pytest.mark.parametrize("max_depth,budget", [(3, 20), (None, 2 * BLOCK_SIZE + 1)])
+def test_per_path_chains_follow_the_depth_bound(prompts, baseline, max_depth, budget, monkeypatch):
+    """VLLM_DDTREE_PER_PATH_ATTENTION=chains (on the CPU through the pure-torch stand-in for FA3, which refuses a
+    sequence longer than the call's max_seqlen_q, as FA3 would misread it) sizes its calls by the trees' depth bound:
+    the drafter's block - 1, or max_depth below it. This pair's trees are deep (the drafter agrees with its target),
+    so chains reach that bound, and the output stays token-identical to vLLM without speculation."""
+    monkeypatch.setenv("VLLM_DDTREE_PER_PATH_ATTENTION", "chains")
+    spec = dict(ddtree(budget), **({"max_depth": max_depth} if max_depth else {}))
+    result = run(TARGET, spec, prompts, greedy(96), **ENGINE)
+    assert result.token_ids == baseline.token_ids
+    per_pos = result.metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert per_pos[(max_depth or BLOCK_SIZE - 1) - 1] > 0, per_pos  # accepted paths (chains) reach the bound

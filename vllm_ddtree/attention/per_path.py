@@ -215,7 +215,7 @@ def per_path_splits() -> int:
     return int(value)
 
 
-def reference_attend(query, kv: PagedKV, slots, lengths, scale: float, max_len: int = 0, cu_seqlens_q=None,
+def reference_attend(query, kv: PagedKV, slots, lengths, scale: float, max_len: int, cu_seqlens_q=None,
                      max_seqlen_q: int = 1) -> torch.Tensor:  # fmt: skip
     """`fa3_attend` in pure torch (float32), any KV layout. Rows past the last sequence's queries are left as zeros
     (FA3 leaves them unwritten; nothing reads them)."""
@@ -227,6 +227,9 @@ def reference_attend(query, kv: PagedKV, slots, lengths, scale: float, max_len: 
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     for s in range(num_seqs):
         start, end, num_keys = int(cu_seqlens_q[s]), int(cu_seqlens_q[s + 1]), int(lengths[s])
+        if end - start > max_seqlen_q or num_keys > max_len:  # FA3 takes these as bounds
+            raise ValueError(f"sequence {s}: {end - start} queries and {num_keys} keys, above max_seqlen_q "
+                             f"{max_seqlen_q} or max_seqlen_k {max_len}")  # fmt: skip
         if end == start:
             continue
         keys, values = kv.read(slots[s, :num_keys].to(torch.int64))  # [n, Hkv, D]
