@@ -60,28 +60,29 @@ def node_key_slots(
     num_nodes: torch.Tensor,  # [T] (0: a padding request)
     node_mask: torch.Tensor,  # [T, N, N] node i may attend node j
     page: int,
+    entries: tuple[torch.Tensor, torch.Tensor] | None = None,  # (request [A, B], node [A, B]) int64
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slots [T * N, max_blocks * page] int32, lengths [T * N] int32): for every entry of the node grid (aliased as
-    in `node_aliases`), the KV slots of its keys in order, context positions 0..C-1 and then the positions C + j of
-    its path's nodes j (ancestors and itself, root first), and how many there are. Columns past the length repeat
-    valid slots (never read)."""
-    num_trees, width = node_mask.shape[0], node_mask.shape[1]
+    """(slots [A * B, max_blocks * page] int32, lengths [A * B] int32): for each entry (a request's node; by default
+    the node grid [T, N] aliased as in `node_aliases`), the KV slots of its keys in order, context positions 0..C-1
+    and then the positions C + j of its path's nodes j (ancestors and itself, root first), and how many there are.
+    Columns past the length repeat valid slots (never read)."""
+    width = node_mask.shape[1]
     max_keys = block_table.shape[1] * page
     device = node_mask.device
-    req, node = node_aliases(num_nodes, width)  # [T, N]
-    context = (seq_lens - num_nodes).to(torch.int64)[req]  # [T, N]
+    req, node = entries if entries is not None else node_aliases(num_nodes, width)  # [A, B]
+    context = (seq_lens - num_nodes).to(torch.int64)[req]  # [A, B]
     on_path = node_mask[req, node].bool() & (torch.arange(width, device=device) < num_nodes[req][..., None])
-    # on_path [T, N, N]: node j is on entry (t, i)'s path
-    rank = on_path.cumsum(-1) - 1  # [T, N, N] j's place along the path
-    # int32 from here: [T, N, K] is the big one (under CUDA graphs K is the block table's width, max_model_len)
-    positions = torch.arange(max_keys + 1, dtype=torch.int32, device=device).expand(num_trees, width, -1).clone()
+    # on_path [A, B, N]: node j is on the entry's path
+    rank = on_path.cumsum(-1) - 1  # [A, B, N] j's place along the path
+    # int32 from here: [A, B, K] is the big one (under CUDA graphs K is the block table's width, max_model_len)
+    positions = torch.arange(max_keys + 1, dtype=torch.int32, device=device).expand(*req.shape, -1).clone()
     column = torch.where(on_path, context[..., None] + rank, max_keys)  # off-path j: the spare column K
-    path_positions = (context[..., None] + torch.arange(width, device=device)).to(torch.int32)  # [T, N, N]
-    positions.scatter_(2, column, path_positions)  # [T, N, K + 1]
-    positions = positions[..., :max_keys].clamp_(max=max_keys - 1)  # [T, N, K]
-    lengths = (context + on_path.sum(-1)).clamp(min=1)  # [T, N]; >= 1: padding entries read one valid key
-    slots = block_table[req[..., None], positions // page] * page + positions % page  # [T, N, K]
-    return slots.view(num_trees * width, max_keys).to(torch.int32), lengths.view(-1).to(torch.int32)
+    path_positions = (context[..., None] + torch.arange(width, device=device)).to(torch.int32)  # [A, B, N]
+    positions.scatter_(2, column, path_positions)  # [A, B, K + 1]
+    positions = positions[..., :max_keys].clamp_(max=max_keys - 1)  # [A, B, K]
+    lengths = (context + on_path.sum(-1)).clamp(min=1)  # [A, B]; >= 1: padding entries read one valid key
+    slots = block_table[req[..., None], positions // page] * page + positions % page  # [A, B, K]
+    return slots.view(req.numel(), max_keys).to(torch.int32), lengths.view(-1).to(torch.int32)
 
 
 def one_token_pages(cache: torch.Tensor) -> torch.Tensor:
@@ -136,18 +137,21 @@ def _calls(tree, mode: str, page: int, width: int, fixed_shapes: bool):
     req, node = node_aliases(tree.num_nodes, width)  # [T, N]
     rows = tree.query_start.to(torch.int64)[req] + node  # [T, N]
     block_table = tree.block_table if fixed_shapes else tree.block_table[:, : -(-tree.max_seq_len // page)]
-    slots, lengths = node_key_slots(block_table, tree.seq_lens, tree.num_nodes, tree.node_mask, page)
+
+    def key_slots(entries):  # [A * B, K], [A * B] for entries [A, B]
+        return node_key_slots(block_table, tree.seq_lens, tree.num_nodes, tree.node_mask, page, entries)
+
     if mode == "1":  # one call, every entry a sequence of one query (aliased entries: equal inputs, equal outputs)
+        slots, lengths = key_slots((req, node))
         owner = torch.arange(num_trees * width, device=rows.device)
         return rows.view(-1), rows.view(1, -1), None, slots[None], lengths[None], owner, 1
-    slots = slots.view(num_trees, width, -1)
-    lengths = lengths.view(num_trees, width)
     if mode == "decode":  # call k: node k of every request (its alias past the last node), one query each
-        gather = rows.t().contiguous()  # [N, T]
+        slots, lengths = key_slots((req.t(), node.t()))  # call-major: [N * T, K]
         owner = node * num_trees + req  # [T, N] an alias's own call: calls may round differently
-        slots, lengths = slots.transpose(0, 1).contiguous(), lengths.t().contiguous()  # [N, T, K], [N, T]
-        return rows.view(-1), gather, None, slots, lengths, owner.view(-1), 1
-    # chains: call c holds chain c of every request, packed one after another, each at most `max_len` nodes
+        return (rows.view(-1), rows.t().contiguous(), None, slots.view(width, num_trees, -1),
+                lengths.view(width, num_trees), owner.view(-1), 1)  # fmt: skip
+    # chains: call c holds chain c of every request, packed one after another, each at most `max_len` nodes, over
+    # the keys of the chain's last node
     depth = tree.depth if getattr(tree, "depth", None) is not None else width - 1
     max_len = min(width, depth + 1)
     chain, place, length, last = node_chains(tree.node_mask, tree.num_nodes)
@@ -159,9 +163,10 @@ def _calls(tree, mode: str, page: int, width: int, fixed_shapes: bool):
     owner = entry_chain * per_call + entry_packed  # [T, N]
     gather = rows[0, 0].expand(width * per_call).clone()  # unused rows past a call's last sequence: a valid row
     gather.scatter_(0, owner.view(-1), rows.view(-1))
-    by_call = torch.arange(num_trees, device=rows.device)[None, :], last.t()  # [C, T] each chain's last node
-    return (rows.view(-1), gather.view(width, per_call), cu_seqlens, slots[by_call], lengths[by_call],
-            owner.view(-1), max_len)  # fmt: skip
+    requests = torch.arange(num_trees, device=rows.device)[None, :].expand(width, -1)  # [C, T]
+    slots, lengths = key_slots((requests, last.t()))  # [C * T, K]: each chain's last node
+    return (rows.view(-1), gather.view(width, per_call), cu_seqlens, slots.view(width, num_trees, -1),
+            lengths.view(width, num_trees), owner.view(-1), max_len)  # fmt: skip
 
 
 def per_path_attention_(query, kv: PagedKV, tree, scale: float, out: torch.Tensor, attend) -> None:
