@@ -115,10 +115,12 @@ def decode_agreement(context: int, width: int, q_scale: float, seed: int) -> dic
     i32 = lambda *x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
     i64 = lambda *x: torch.tensor(x, dtype=torch.int64, device=DEVICE)  # noqa: E731
 
-    def fa3_causal(rows: torch.Tensor, seq_len: int, **kwargs) -> torch.Tensor:
-        return fa3(rows, keys, values, max_seqlen_q=rows.shape[0], cu_seqlens_q=i32(0, rows.shape[0]),
-                   max_seqlen_k=seq_len, seqused_k=i32(seq_len), causal=True, block_table=block_table,
-                   softmax_scale=scale, fa_version=3, **kwargs)  # fmt: skip
+    def fa3_causal(rows: torch.Tensor, seq_len: int, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+                   **kwargs) -> torch.Tensor:  # fmt: skip
+        """`rows` as one causal sequence over the first `seq_len` keys; the bounds default to its own sizes."""
+        return fa3(rows, keys, values, max_seqlen_q=max_seqlen_q or rows.shape[0],
+                   cu_seqlens_q=i32(0, rows.shape[0]), max_seqlen_k=max_seqlen_k or seq_len, seqused_k=i32(seq_len),
+                   causal=True, block_table=block_table, softmax_scale=scale, fa_version=3, **kwargs)  # fmt: skip
 
     def per_node(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, **kwargs) -> torch.Tensor:
         """Every node its own sequence in one call: one query over the context and its path (here the chain's
@@ -159,19 +161,14 @@ def decode_agreement(context: int, width: int, q_scale: float, seed: int) -> dic
     attempt("fa3_per_node_one_split", lambda: per_node(keys, values, node_table, num_splits=1))
     # One call per node (VLLM_DDTREE_PER_PATH_ATTENTION=decode at batch 1): node i alone, as decoding, but with the
     # tree's longest sequence as max_seqlen_k (the step's, which the engine passes) instead of its own length.
-    def node_calls() -> torch.Tensor:
-        return torch.cat([fa3(q[i: i + 1], keys, values, max_seqlen_q=1, cu_seqlens_q=i32(0, 1), max_seqlen_k=total,
-                              seqused_k=i32(context + i + 1), causal=True, block_table=block_table,
-                              softmax_scale=scale, fa_version=3) for i in range(width)])  # fmt: skip
-
-    attempt("fa3_node_calls", node_calls)
+    attempt("fa3_node_calls", lambda: torch.cat([fa3_causal(q[i: i + 1], context + i + 1, max_seqlen_k=total)
+                                                 for i in range(width)]))  # fmt: skip
     # VLLM_DDTREE_PER_PATH_ATTENTION=chains at batch 1: a chain whose first node is not the root (here the chain's
     # second half) is one causal sequence over the context, its ancestors and itself, with max_seqlen_q the depth
     # bound (the whole chain's length) and the tree's longest sequence as max_seqlen_k.
     half = width // 2
-    attempt("fa3_chain_tail", lambda: torch.cat([outputs["fa3_chain"][:half], fa3(
-        q[half:], keys, values, max_seqlen_q=width, cu_seqlens_q=i32(0, width - half), max_seqlen_k=total,
-        seqused_k=i32(total), causal=True, block_table=block_table, softmax_scale=scale, fa_version=3)]))  # fmt: skip
+    attempt("fa3_chain_tail", lambda: torch.cat([outputs["fa3_chain"][:half],
+                                                 fa3_causal(q[half:], total, max_seqlen_q=width)]))  # fmt: skip
     mask = torch.tril(torch.ones(width, width, dtype=torch.uint8, device=DEVICE))[None]
     one_pass = torch.full_like(q, float("nan"))
     tree_attention_triton_(q, keys, values, block_table, i64(0), i64(total), i64(width), mask, total, scale, one_pass)

@@ -95,7 +95,7 @@ def test_key_slots_cover_the_steps_longest_sequence_not_the_block_tables_width(m
     out = torch.full_like(case.query, float("nan"))
     per_path_attention_(case.query, case.kv, tree, case.scale, out, reference_attend)
     torch.testing.assert_close(out[case.tree_rows], expected[case.tree_rows], rtol=1e-5, atol=1e-6)
-    slots = tree.per_path_calls[5]  # [C, S, K]
+    slots = tree.per_path_calls.slots  # [C, S, K]
     assert slots.shape[-1] == -(-tree.max_seq_len // 16) * 16 < wide.shape[1] * 16
 
 

@@ -83,9 +83,9 @@ def _split_attention_applies(impl, query: torch.Tensor, tree) -> bool:
 
 
 def _per_path_applies(impl, query: torch.Tensor) -> bool:
-    """`VLLM_DDTREE_PER_PATH_ATTENTION=1` or `decode` (`attention/per_path.py`): on CUDA with FlashAttention-3 and a 16-bit
-    dtype, every node verified as one FA3 query over its context and path, rounding as plain decoding does; on the
-    CPU build through its pure-torch stand-in (slow: the way the engine tests check the path's wiring)."""
+    """`VLLM_DDTREE_PER_PATH_ATTENTION` on (`attention/per_path.py`): on CUDA with FlashAttention-3 and a 16-bit
+    dtype, every node verified by FA3 over its context and path, to round as plain decoding does; on the CPU build
+    through its pure-torch stand-in (slow: the way the engine tests check the path's wiring)."""
     if not per_path_requested():
         return False
     if not query.is_cuda:

@@ -123,10 +123,11 @@ def tree_attention_builder(layer_names, cudagraph_mode, max_reqs: int, width: in
         logger.info("DDTree: FULL CUDA graphs for uniform tree-verification batches (%s)", cudagraph_mode.name)
     from vllm_ddtree.attention.per_path import PER_PATH_CALLS, PER_PATH_ENV, per_path_mode
 
-    if per_path_mode() != "0":
-        logger.info("DDTree: %s=%s: tree nodes verified one FA3 query each over their context and path (%s), where "
-                    "the backend is FlashAttention-3 and the dtype 16-bit (else the tree kernels)", PER_PATH_ENV,
-                    per_path_mode(), PER_PATH_CALLS[per_path_mode()])
+    mode = per_path_mode()
+    if mode != "0":
+        logger.info("DDTree: %s=%s: tree nodes verified by FA3 over their context and path (%s), where the backend "
+                    "is FlashAttention-3 and the dtype 16-bit (else the tree kernels)", PER_PATH_ENV, mode,
+                    PER_PATH_CALLS[mode])
     return TreeAttentionMetadataBuilder(set(layer_names), persistent, depth)
 
 

@@ -24,6 +24,7 @@ nothing here waits for the device.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -33,7 +34,6 @@ from vllm_ddtree.kv.paged import PagedKV
 
 PER_PATH_ENV = "VLLM_DDTREE_PER_PATH_ATTENTION"
 SPLITS_ENV = "VLLM_DDTREE_PER_PATH_SPLITS"
-
 
 PER_PATH_CALLS = {
     "0": "off",
@@ -127,12 +127,24 @@ def node_chains(
     return chain, place, length, last
 
 
-def _calls(tree, mode: str, page: int, width: int, fixed_shapes: bool):
-    """The step's FA3 calls (built once per step, on the device): (rows [T * N] scheduled-token row of each entry of
-    the node grid, aliased as in `node_aliases`; per call c: gather [C, Q] the query rows of its packed sequences,
-    cu_seqlens [C, T + 1] or None (one query per sequence), slots [C, S, K], lengths [C, S]; owner [T * N] each
-    entry's row among the calls' stacked outputs [C * Q]; max_seqlen_q). K is the block table's width in keys under
-    CUDA-graph capture (`fixed_shapes`), else only what the step's longest sequence needs."""
+@dataclass
+class PerPathCalls:
+    """A step's FA3 calls (built once per step, on the device), for the KV page size and mode they were built for."""
+
+    page: int
+    mode: str
+    rows: torch.Tensor  # [T * N] scheduled-token row of each entry of the node grid (aliased as in `node_aliases`)
+    gather: torch.Tensor  # [C, Q] per call, the query rows of its packed sequences
+    cu_seqlens: torch.Tensor | None  # [C, S + 1] per call, its sequences' query starts (None: one query each)
+    slots: torch.Tensor  # [C, S, K] per call, its sequences' key slots
+    lengths: torch.Tensor  # [C, S] per call, its sequences' key counts
+    owner: torch.Tensor  # [T * N] each entry's row among the calls' stacked outputs [C * Q]
+    max_seqlen_q: int
+
+
+def _calls(tree, mode: str, page: int, width: int, fixed_shapes: bool) -> PerPathCalls:
+    """The step's calls in `mode`. K is the block table's width in keys under CUDA-graph capture (`fixed_shapes`),
+    else only what the step's longest sequence needs."""
     num_trees = tree.num_nodes.shape[0]
     req, node = node_aliases(tree.num_nodes, width)  # [T, N]
     rows = tree.query_start.to(torch.int64)[req] + node  # [T, N]
@@ -144,12 +156,12 @@ def _calls(tree, mode: str, page: int, width: int, fixed_shapes: bool):
     if mode == "1":  # one call, every entry a sequence of one query (aliased entries: equal inputs, equal outputs)
         slots, lengths = key_slots((req, node))
         owner = torch.arange(num_trees * width, device=rows.device)
-        return rows.view(-1), rows.view(1, -1), None, slots[None], lengths[None], owner, 1
+        return PerPathCalls(page, mode, rows.view(-1), rows.view(1, -1), None, slots[None], lengths[None], owner, 1)
     if mode == "decode":  # call k: node k of every request (its alias past the last node), one query each
         slots, lengths = key_slots((req.t(), node.t()))  # call-major: [N * T, K]
         owner = node * num_trees + req  # [T, N] an alias's own call: calls may round differently
-        return (rows.view(-1), rows.t().contiguous(), None, slots.view(width, num_trees, -1),
-                lengths.view(width, num_trees), owner.view(-1), 1)  # fmt: skip
+        return PerPathCalls(page, mode, rows.view(-1), rows.t().contiguous(), None, slots.view(width, num_trees, -1),
+                            lengths.view(width, num_trees), owner.view(-1), 1)  # fmt: skip
     # chains: call c holds chain c of every request, packed one after another, each at most `max_len` nodes, over
     # the keys of the chain's last node
     depth = tree.depth if getattr(tree, "depth", None) is not None else width - 1
@@ -165,8 +177,8 @@ def _calls(tree, mode: str, page: int, width: int, fixed_shapes: bool):
     gather.scatter_(0, owner.view(-1), rows.view(-1))
     requests = torch.arange(num_trees, device=rows.device)[None, :].expand(width, -1)  # [C, T]
     slots, lengths = key_slots((requests, last.t()))  # [C * T, K]: each chain's last node
-    return (rows.view(-1), gather.view(width, per_call), cu_seqlens, slots.view(width, num_trees, -1),
-            lengths.view(width, num_trees), owner.view(-1), max_len)  # fmt: skip
+    return PerPathCalls(page, mode, rows.view(-1), gather.view(width, per_call), cu_seqlens,
+                        slots.view(width, num_trees, -1), lengths.view(width, num_trees), owner.view(-1), max_len)
 
 
 def per_path_attention_(query, kv: PagedKV, tree, scale: float, out: torch.Tensor, attend) -> None:
@@ -179,20 +191,19 @@ def per_path_attention_(query, kv: PagedKV, tree, scale: float, out: torch.Tenso
     # layer builds its own: a graph must contain the build (a cached tensor from an eager warm-up run, or from
     # another graph, would never be rewritten when this graph replays).
     capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
-    cached = None if capturing else getattr(tree, "per_path_calls", None)
-    if cached is None or cached[:2] != (page, mode):
-        cached = (page, mode, *_calls(tree, mode, page, width, fixed_shapes=capturing))
+    calls = None if capturing else getattr(tree, "per_path_calls", None)
+    if calls is None or (calls.page, calls.mode) != (page, mode):
+        calls = _calls(tree, mode, page, width, fixed_shapes=capturing)
         if not capturing:
-            tree.per_path_calls = cached
-    _, _, rows, gather, cu_seqlens, slots, lengths, owner, max_seqlen_q = cached
-    num_calls, per_call = gather.shape
+            tree.per_path_calls = calls
+    num_calls, per_call = calls.gather.shape
     results = query.new_empty((num_calls * per_call, *query.shape[1:]))  # [C * Q, Hq, D] the calls' outputs
     for c in range(num_calls):
         results[c * per_call : (c + 1) * per_call] = attend(
-            query[gather[c]], kv, slots[c], lengths[c], scale, tree.max_seq_len,
-            None if cu_seqlens is None else cu_seqlens[c], max_seqlen_q,
+            query[calls.gather[c]], kv, calls.slots[c], calls.lengths[c], scale, tree.max_seq_len,
+            None if calls.cu_seqlens is None else calls.cu_seqlens[c], calls.max_seqlen_q,
         )  # fmt: skip
-    out[rows] = results[owner].to(out.dtype)
+    out[calls.rows] = results[calls.owner].to(out.dtype)
 
 
 def fa3_attend(query, kv: PagedKV, slots, lengths, scale: float, max_len: int, cu_seqlens_q=None,
