@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from vllm_ddtree.attention.layers import check_attention_switches
 from vllm_ddtree.tree.dispatch import top_k_choice, tree_kernels_choice
 
 METHOD = "ddtree"
@@ -144,6 +145,7 @@ def split_ddtree_config(spec: dict[str, Any]) -> tuple[dict[str, Any], DDTreeCon
     budget = _positive_int("num_speculative_tokens", spec["num_speculative_tokens"], MAX_BUDGET)
     top_k_choice()  # VLLM_DDTREE_TOP_K and VLLM_DDTREE_TREE_KERNELS: a typo fails here, not at the first draft
     tree_kernels_choice()
+    check_attention_switches()
     if "num_speculative_tokens_per_batch_size" in spec:
         _check_budget_schedule(spec["num_speculative_tokens_per_batch_size"], budget)
     max_topk = spec.get("max_topk")

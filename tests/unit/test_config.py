@@ -113,18 +113,24 @@ def test_drafting_config_drafts_every_position_at_every_batch_size():
 
 
 @pytest.mark.parametrize(
-    "name,typo,refusal",
-    [("VLLM_DDTREE_TOP_K", "trtion", r"VLLM_DDTREE_TOP_K='trtion'.*auto, triton, torch"),
+    "name,typo,refusal,accepted",
+    [("VLLM_DDTREE_TOP_K", "trtion", r"VLLM_DDTREE_TOP_K='trtion'.*auto, triton, torch", " Torch "),
      # used to take any value but "torch" as triton
-     ("VLLM_DDTREE_TREE_KERNELS", "torhc", r"VLLM_DDTREE_TREE_KERNELS='torhc' is not one of triton, torch")],
+     ("VLLM_DDTREE_TREE_KERNELS", "torhc", r"VLLM_DDTREE_TREE_KERNELS='torhc' is not one of triton, torch", " Torch "),
+     # the next three used to take any value but "0" as on ("off" too), or any but "1" as off ("true" too)
+     ("VLLM_DDTREE_SPLIT_ATTENTION", "off", r"SPLIT_ATTENTION='off' is not one of auto .*, 0 .* or 1", " Auto "),
+     ("VLLM_DDTREE_FULL_CUDA_GRAPHS", "off", r"VLLM_DDTREE_FULL_CUDA_GRAPHS='off' is not 1 .* or 0", " 0 "),
+     ("VLLM_DDTREE_BACKEND_ROWS", "true", r"VLLM_DDTREE_BACKEND_ROWS='true' is not 0 .* or 1", " 1 "),
+     ("VLLM_DDTREE_PER_PATH_ATTENTION", "on", r"PER_PATH_ATTENTION='on' is not one of 0, 1, decode", " Chains "),
+     ("VLLM_DDTREE_PER_PATH_SPLITS", "two", r"VLLM_DDTREE_PER_PATH_SPLITS='two' is not a whole number", " 4 ")],
 )
-def test_bad_kernel_switch_is_named_at_config_time(monkeypatch, name, typo, refusal):
+def test_bad_switch_is_named_at_config_time(monkeypatch, name, typo, refusal, accepted):
     from vllm_ddtree.tree.dispatch import use_triton
 
     monkeypatch.setenv(name, typo)
     with pytest.raises(ValueError, match=refusal):
         split_ddtree_config(spec())
-    monkeypatch.setenv(name, " Torch ")
+    monkeypatch.setenv(name, accepted)
     split_ddtree_config(spec())  # case and spaces as VLLM_DDTREE_RUNNER's
     assert not use_triton(torch.zeros(1))  # CPU tensors take the tensor-op versions whatever the switch
 

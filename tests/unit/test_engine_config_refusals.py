@@ -43,8 +43,10 @@ def test_m_rope_targets_are_refused_on_both_runners():
 
 
 @pytest.mark.parametrize("name,accepted", [("VLLM_DDTREE_TOP_K", "auto, triton, torch"),
-                                           ("VLLM_DDTREE_TREE_KERNELS", "triton, torch")])
-def test_a_bad_kernel_switch_is_refused_when_the_config_is_built(monkeypatch, name, accepted):
+                                           ("VLLM_DDTREE_TREE_KERNELS", "triton, torch"),
+                                           ("VLLM_DDTREE_SPLIT_ATTENTION", "auto"),
+                                           ("VLLM_DDTREE_PER_PATH_ATTENTION", "0, 1, decode or chains")])
+def test_a_bad_switch_is_refused_when_the_config_is_built(monkeypatch, name, accepted):
     monkeypatch.setenv(name, "fast")
     with pytest.raises(ValueError, match=rf"{name}='fast' is not one of {accepted}"):
         engine_args().create_engine_config()

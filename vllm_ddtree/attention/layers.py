@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from vllm_ddtree.attention.metadata import ATTRIBUTE as TREE_METADATA
-from vllm_ddtree.attention.per_path import fa3_attend, per_path_attention_, per_path_requested, reference_attend
+from vllm_ddtree.attention.metadata import backend_rows_requested, full_cuda_graphs_requested
+from vllm_ddtree.attention.per_path import (
+    fa3_attend,
+    per_path_attention_,
+    per_path_mode,
+    per_path_requested,
+    per_path_splits,
+    reference_attend,
+)
 from vllm_ddtree.attention.reference import tree_attention_reference_
+from vllm_ddtree.env import env_choice
 from vllm_ddtree.kv.paged import paged_kv_for
+
+SPLIT_ATTENTION_ENV = "VLLM_DDTREE_SPLIT_ATTENTION"
 
 
 def target_attention_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -71,7 +80,7 @@ def _split_attention_applies(impl, query: torch.Tensor, tree) -> bool:
     two or more requests, "1" always, "0" never. With one request the one-pass kernel was as fast or faster as CUDA
     graph replays on the H200 (Qwen3-8B attention, B = 15: 17.4 vs 24.7 us at 1k context, 41.9 vs 41.8 us at 8k;
     from batch 8 on the split was faster: docs/benchmarks.md, session 15)."""
-    choice = os.environ.get("VLLM_DDTREE_SPLIT_ATTENTION", "auto")
+    choice = split_attention_choice()
     return (
         tree.covers_all_tokens
         and tree.cu_seqlens_q is not None
@@ -80,6 +89,18 @@ def _split_attention_applies(impl, query: torch.Tensor, tree) -> bool:
         and choice != "0"
         and (choice == "1" or tree.num_tree_reqs > 1)
     )
+
+
+def split_attention_choice() -> str:
+    """`VLLM_DDTREE_SPLIT_ATTENTION`: auto (the default), 0 or 1 (`_split_attention_applies`)."""
+    return env_choice(SPLIT_ATTENTION_ENV, ("auto", "0", "1"), "is not one of auto (split for two or more tree "
+                      "requests, the default), 0 (never) or 1 (always)")  # fmt: skip
+
+
+def check_attention_switches() -> None:
+    """Read every tree-attention switch once, so that a bad value fails when the config is built, not mid-step:
+    VLLM_DDTREE_SPLIT_ATTENTION, _PER_PATH_ATTENTION, _PER_PATH_SPLITS, _BACKEND_ROWS and _FULL_CUDA_GRAPHS."""
+    split_attention_choice(), per_path_mode(), per_path_splits(), backend_rows_requested(), full_cuda_graphs_requested()
 
 
 def _per_path_applies(impl, query: torch.Tensor) -> bool:

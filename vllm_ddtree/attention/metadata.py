@@ -19,11 +19,11 @@ tokens (a chain's ancestor mask is the causal mask), and the persistent buffers 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from vllm_ddtree.env import env_choice
 from vllm_ddtree.tree import ancestor_mask
 from vllm_ddtree.tree.dispatch import use_triton
 from vllm_ddtree.verify.step import TreeStep, build_tree_step, to_device
@@ -36,7 +36,8 @@ BACKEND_ROWS_ENV = "VLLM_DDTREE_BACKEND_ROWS"
 def full_cuda_graphs_requested() -> bool:
     """Keep vLLM's FULL_AND_PIECEWISE cudagraph mode for DDTree (default); `VLLM_DDTREE_FULL_CUDA_GRAPHS=0` makes
     it PIECEWISE, with tree attention eager between the graph pieces (measured ~1.5-2.5x slower per step)."""
-    return os.environ.get(FULL_CUDA_GRAPHS_ENV, "1") != "0"
+    fix = "is not 1 (FULL CUDA graphs, the default) or 0 (PIECEWISE)"
+    return env_choice(FULL_CUDA_GRAPHS_ENV, ("1", "0"), fix) == "1"
 
 
 def backend_rows_requested() -> bool:
@@ -46,7 +47,7 @@ def backend_rows_requested() -> bool:
     then round like vLLM's chain verification and plain decoding (FlashAttention-3), which the tree kernel does not
     (bf16 greedy drift, docs/benchmarks.md session 17). It costs the backend's pass, which all-tree batches skip
     otherwise."""
-    return os.environ.get(BACKEND_ROWS_ENV, "0") == "1"
+    return env_choice(BACKEND_ROWS_ENV, ("0", "1"), "is not 0 (off, the default) or 1 (on)") == "1"
 
 
 def backend_rows(
